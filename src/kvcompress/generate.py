@@ -1,0 +1,156 @@
+"""One-call generation with a compressed cache, following DESIGN.md's evaluation protocol.
+
+Query-agnostic by default: the context is prefilled and compressed before the question is
+seen; the question and the answer are then decoded on the compressed cache. The prompt is
+the model's chat template with one user turn holding the context, a blank line, then the
+question; the compressed prefix ends where the question starts. ``query_aware=True`` puts
+the question inside the compressed prefix instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import CompressedCache
+from .methods import Method, get_method
+from .models import model_facts
+
+_SLOT = "\x00QUESTION\x00"
+
+
+@dataclass
+class GenerateOutput:
+    """The answer and what it cost."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Prompt:
+    """Token ids of the compressed prefix (template head + context) and the rest (question + tail)."""
+
+    prefix_ids: list[int]
+    suffix_ids: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prefix_ids + self.suffix_ids
+
+
+def build_prompt(tokenizer, context: str, question: str) -> Prompt:
+    """Split the chat-templated prompt at the start of the question (DESIGN.md, "Evaluation protocol")."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + "\n\n" + _SLOT}], tokenize=False, add_generation_prompt=True
+        )
+        head, tail = text.split(_SLOT)
+        prefix = tokenizer(head, add_special_tokens=False).input_ids
+    else:
+        head, tail = context + "\n\n", "\n"
+        prefix = tokenizer(head).input_ids
+    suffix = tokenizer(question + tail, add_special_tokens=False).input_ids
+    return Prompt(prefix, suffix)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def check_inputs(model, context: str, prompt: Prompt, max_new_tokens: int) -> None:
+    """Refuse inputs that cannot work, before any state is built."""
+    if not context or not context.strip():
+        raise ValueError("context is empty: give the text to compress (kvc.generate(..., context='...')).")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}.")
+    limit = model_facts(model).max_positions
+    needed = len(prompt.ids) + max_new_tokens
+    if needed > limit:
+        raise ValueError(
+            f"prompt ({len(prompt.ids)} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the model's "
+            f"{limit} positions; shorten the context by at least {needed - limit} tokens or use a longer-context model."
+        )
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    tokenizer,
+    context: str,
+    question: str,
+    method: Method | str | None = None,
+    *,
+    max_new_tokens: int = 32,
+    query_aware: bool = False,
+) -> GenerateOutput:
+    """Answer ``question`` about ``context`` greedily, with the context's KV cache compressed by ``method``.
+
+    Returns the answer text, its token ids, the prompt ids (feed them to ``model.generate``
+    to compare with an uncompressed run) and stats: kr, cr, kv_bytes, kv_bytes_full (right
+    after compressing, and ``*_end`` after generation), prefill_s, compress_s,
+    decode_ms_per_token, token counts and notes.
+    """
+    method = get_method(method) if isinstance(method, str) else (method or get_method("full"))
+    prompt = build_prompt(tokenizer, context, question)
+    check_inputs(model, context, prompt, max_new_tokens)
+    device = next(model.parameters()).device
+    cache = CompressedCache(model, method)
+
+    prefill_ids = prompt.ids if query_aware else prompt.prefix_ids
+    start = time.perf_counter()
+    logits = model(torch.tensor([prefill_ids], device=device), past_key_values=cache, use_cache=True).logits
+    prefill_wall = time.perf_counter() - start
+    compressed = cache.stats()
+
+    start = time.perf_counter()
+    if not query_aware:
+        logits = model(torch.tensor([prompt.suffix_ids], device=device), past_key_values=cache, use_cache=True).logits
+    question_s = time.perf_counter() - start
+
+    token_ids, decode_s = _greedy(model, cache, logits, max_new_tokens, _eos_ids(model, tokenizer), device)
+    end = cache.stats()
+    steps = max(len(token_ids) - 1, 1)
+    stats = {
+        "method": method.label,
+        "kr": compressed["kr"],
+        "cr": compressed["cr"],
+        "kv_bytes": compressed["kv_bytes"],
+        "kv_bytes_full": compressed["kv_bytes_full"],
+        "kr_end": end["kr"],
+        "kv_bytes_end": end["kv_bytes"],
+        "kv_bytes_full_end": end["kv_bytes_full"],
+        "prefill_s": prefill_wall - cache.timings["compress_s"],
+        "compress_s": cache.timings["compress_s"],
+        "question_s": question_s,
+        "decode_ms_per_token": 1000 * decode_s / steps,
+        "context_tokens": len(prompt.prefix_ids),
+        "prompt_tokens": len(prompt.ids),
+        "new_tokens": len(token_ids),
+        "query_aware": query_aware,
+        "notes": end["notes"],
+    }
+    text = tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+    return GenerateOutput(text=text, token_ids=token_ids, prompt_ids=prompt.ids, stats=stats)
+
+
+def _greedy(model, cache, logits, max_new_tokens, eos_ids, device) -> tuple[list[int], float]:
+    """Greedy decoding on ``cache`` from the last logits; returns the ids and the decode wall time."""
+    token_ids: list[int] = []
+    start = time.perf_counter()
+    for step in range(max_new_tokens):
+        next_id = int(logits[0, -1].argmax())
+        token_ids.append(next_id)
+        if next_id in eos_ids or step == max_new_tokens - 1:
+            break
+        logits = model(torch.tensor([[next_id]], device=device), past_key_values=cache, use_cache=True).logits
+    return token_ids, time.perf_counter() - start

@@ -1,0 +1,317 @@
+"""What every method shares: budgets, allocation over layers and heads, selection.
+
+A method is a dataclass whose fields are its hyperparameters. Score-based methods only
+implement ``score`` (and, if they want, ``protected``): turning scores into a per-head keep
+set under a budget lives once, here, as small functions the tests check against plain
+references:
+
+    scores → chunk averaging (optional) → priority (protected entries first)
+    → per-layer budget (uniform or pyramid) → per-head budgets (uniform or Ada-KV)
+    → top entries per head → ``LayerCache.retain``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ..cache import LayerCache, LayerContext
+
+PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank by recency above it
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method reads from the prefill: the last ``window`` queries, per-entry attention sums."""
+
+    window: int = 0
+    attention_sums: bool = False
+
+
+@dataclass
+class Method:
+    """Base of every method: a budget (entries per KV head on average) or a ratio of the context.
+
+    ``budget`` and ``ratio`` are exclusive. A budget at or above a row's context length keeps
+    everything (nothing to compress) and the cache notes it in its stats.
+    """
+
+    budget: int | None = None
+    ratio: float | None = None
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    needs_budget: ClassVar[bool] = True
+    wants_decode_probs: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if not self.needs_budget:
+            return
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError(f"{self.name}: give exactly one of budget= (entries per KV head) or ratio= (fraction kept).")
+        if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0):
+            raise ValueError(f"{self.name}: budget must be a positive whole number of entries per KV head, got {self.budget!r}.")
+        if self.ratio is not None and not (0.0 < float(self.ratio) <= 1.0):
+            raise ValueError(f"{self.name}: ratio must be in (0, 1] (the fraction of context entries kept), got {self.ratio!r}.")
+
+    @property
+    def label(self) -> str:
+        """``name@budget`` or ``name@ratio`` for tables."""
+        if self.budget is not None:
+            return f"{self.name}@{self.budget}"
+        return f"{self.name}@{self.ratio:g}" if self.ratio is not None else self.name
+
+    def options(self) -> dict:
+        """The method's hyperparameters (dataclass fields) as a dict."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def needs(self) -> Needs:
+        return Needs()
+
+    def compress(self, layer: LayerCache, context: LayerContext) -> None:
+        """Compress a layer right after its prefill (default: keep everything)."""
+
+    def after_decode_step(self, layer: LayerCache, probs: torch.Tensor | None, context: LayerContext) -> None:
+        """Called after each decoding step's attention (probs: [B, H, G, q, L] if wanted)."""
+
+    # ----- budgets --------------------------------------------------------------------------
+    def row_budgets(self, layer: LayerCache) -> torch.Tensor:
+        """Entries per KV head for each batch row [B] (int64): the budget, or ratio × real tokens."""
+        tokens = layer.tokens_seen
+        if self.budget is not None:
+            budgets = torch.full_like(tokens, self.budget)
+        else:
+            budgets = torch.clamp((tokens.double() * self.ratio).round().long(), min=1)
+        if bool((budgets >= tokens).any()):
+            layer.notes.add("budget >= context length for some rows: everything kept there")
+        return torch.minimum(budgets, tokens)
+
+
+# ----- selection helpers (plain tensor code, tested against references) ------------------------
+def chunk_average(scores: torch.Tensor, valid: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """Replace each score [B, H, L] by the mean over its chunk of ``chunk`` adjacent entries.
+
+    Selecting by chunk means keeps whole chunks (MomentKV's protocol, chunks of 4).
+    """
+    if chunk <= 1:
+        return scores
+    b, h, length = scores.shape
+    pad = (-length) % chunk
+    mask = torch.ones_like(scores) if valid is None else valid.float()
+    padded = F.pad(scores * mask, (0, pad)).view(b, h, -1, chunk)
+    counts = F.pad(mask, (0, pad)).view(b, h, -1, chunk).sum(-1, keepdim=True).clamp(min=1)
+    means = (padded.sum(-1, keepdim=True) / counts).expand(-1, -1, -1, chunk)
+    return means.reshape(b, h, -1)[..., :length]
+
+
+def priority(
+    scores: torch.Tensor, protected: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """float64 ranking key: protected entries first (most recent first), then by score; padding last."""
+    key = scores.double()
+    key = torch.where(protected, PROTECTED_PRIORITY + positions.double(), key)
+    if valid is not None:
+        key = key.masked_fill(~valid, float("-inf"))
+    return key
+
+
+def top_per_head(key: torch.Tensor, head_budgets: torch.Tensor) -> torch.Tensor:
+    """Keep mask [B, H, L]: the ``head_budgets[b, h]`` entries with the highest key per head."""
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(key.shape[-1], device=key.device).expand_as(order))
+    return (rank < head_budgets[..., None].to(rank.device)) & torch.isfinite(key)
+
+
+def round_preserving_sum(values: torch.Tensor, total: int, cap: torch.Tensor) -> torch.Tensor:
+    """Integers close to ``values`` (float, 1-D) that sum to ``total`` and stay ≤ ``cap`` (largest remainder)."""
+    base = torch.minimum(values.floor().long(), cap)
+    remainder = values - values.floor()
+    missing = int(total - base.sum())
+    room = cap - base
+    order = torch.argsort(remainder, descending=True, stable=True)
+    while missing > 0 and bool((room > 0).any()):
+        for i in order.tolist():
+            if missing == 0:
+                break
+            if room[i] > 0:
+                base[i] += 1
+                room[i] -= 1
+                missing -= 1
+    return base
+
+
+def adaptive_head_budgets(key: torch.Tensor, layer_budget: torch.Tensor, alpha: float, lengths: torch.Tensor) -> torch.Tensor:
+    """Ada-KV's head-wise allocation inside a layer: [B, H] budgets summing to H × layer_budget[b].
+
+    Flatten the heads' ranking keys, take the global top H·B, count winners per head c_h,
+    and give each head b_h = α·B + (1 − α)·c_h (METHODS.md, "Ada-KV"), rounded so the sum is
+    exact and no head gets more than it holds.
+    """
+    b, h, length = key.shape
+    budgets = torch.zeros(b, h, dtype=torch.long)
+    for row in range(b):
+        total = int(layer_budget[row]) * h
+        flat = key[row].reshape(-1)
+        take = min(total, int(torch.isfinite(flat).sum()))
+        winners = torch.topk(flat, take).indices // length
+        counts = torch.bincount(winners.cpu(), minlength=h).double()
+        share = alpha * float(layer_budget[row]) + (1 - alpha) * counts
+        budgets[row] = round_preserving_sum(share, min(total, int(lengths[row].sum())), lengths[row].cpu())
+    return budgets
+
+
+def pyramid_layer_budgets(mean_budget: int, num_layers: int, first_to_last: float, cap: int) -> list[int]:
+    """PyramidKV: budgets falling linearly from the first layer to the last, averaging ``mean_budget``.
+
+    ``first_to_last`` is the ratio of the first layer's budget to the last's (default 4). Layers
+    capped at ``cap`` (the context) hand their excess to the others so the mean is kept.
+    """
+    if num_layers == 1:
+        return [min(mean_budget, cap)]
+    last = 2 * mean_budget / (1 + first_to_last)
+    first = first_to_last * last
+    raw = torch.tensor([first + (last - first) * i / (num_layers - 1) for i in range(num_layers)], dtype=torch.float64)
+    total = min(mean_budget * num_layers, cap * num_layers)
+    capped = torch.full((num_layers,), cap, dtype=torch.long)
+    for _ in range(num_layers):  # water-fill: pour what capped layers cannot hold into the rest
+        over = raw > cap
+        if not bool(over.any()):
+            break
+        excess = float((raw[over] - cap).sum())
+        raw[over] = float(cap)
+        free = raw < cap
+        raw[free] += excess * raw[free] / raw[free].sum()
+    return round_preserving_sum(raw, total, capped).tolist()
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """1-D pooling over positions of [..., L] scores (SnapKV's smoothing), same length out."""
+    if kernel <= 1:
+        return scores
+    shape = scores.shape
+    flat = scores.reshape(-1, 1, shape[-1])
+    if pooling == "max":
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    elif pooling == "avg":
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    else:
+        raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
+    return out[..., : shape[-1]].reshape(shape)
+
+
+def recent_mask(positions: torch.Tensor, valid: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor:
+    """True on each row's ``count[b]`` most recent tokens (by position), for every head: [B, H, L]."""
+    pos = positions if valid is None else positions.masked_fill(~valid, -1)
+    newest = pos.amax(dim=(1, 2))  # [B]
+    threshold = newest - count.to(pos.device) + 1
+    mask = pos >= threshold[:, None, None]
+    return mask if valid is None else mask & valid
+
+
+def sink_mask(positions: torch.Tensor, valid: torch.Tensor | None, sinks: int) -> torch.Tensor:
+    """True on the first ``sinks`` positions of each row (attention sinks)."""
+    mask = positions < sinks
+    return mask if valid is None else mask & valid
+
+
+@dataclass
+class ScoreMethod(Method):
+    """Evict by score: subclasses implement ``score`` (and optionally ``protected``).
+
+    Options shared by every score-based method:
+        sinks: first tokens always kept.
+        chunk_size: average scores over chunks of this many adjacent tokens and keep whole
+            chunks (1 = off; MomentKV's protocol uses 4).
+        head_budgets: "uniform" (every KV head gets the layer budget) or "adaptive" (Ada-KV).
+        alpha: Ada-KV's floor (each head gets at least α·B).
+        layer_budgets: "uniform" or "pyramid" (PyramidKV).
+        pyramid_ratio: first-layer budget ÷ last-layer budget for "pyramid".
+    """
+
+    sinks: int = 0
+    chunk_size: int = 1
+    head_budgets: str = "uniform"
+    alpha: float = 0.2
+    layer_budgets: str = "uniform"
+    pyramid_ratio: float = 4.0
+
+    evict_while_decoding: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head_budgets not in ("uniform", "adaptive"):
+            raise ValueError(f"head_budgets must be 'uniform' or 'adaptive', got {self.head_budgets!r}")
+        if self.layer_budgets not in ("uniform", "pyramid"):
+            raise ValueError(f"layer_budgets must be 'uniform' or 'pyramid', got {self.layer_budgets!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.chunk_size < 1 or self.sinks < 0:
+            raise ValueError("chunk_size must be ≥ 1 and sinks ≥ 0")
+
+    def score(self, layer: LayerCache, context: LayerContext) -> torch.Tensor:
+        """Importance of each entry, [B, H, L] float32 on the layer's padded view."""
+        raise NotImplementedError
+
+    def protected(self, layer: LayerCache, budgets: torch.Tensor) -> torch.Tensor:
+        """Entries kept whatever their score ([B, H, L] bool); default: the sinks."""
+        view = layer.padded_view()
+        return sink_mask(view.positions, view.valid, self.sinks)
+
+    def layer_budget(self, layer: LayerCache, context: LayerContext) -> torch.Tensor:
+        """Entries per KV head for this layer and each row [B]."""
+        budgets = self.row_budgets(layer)
+        if self.layer_budgets == "uniform":
+            return budgets
+        per_row = [
+            pyramid_layer_budgets(int(b), context.num_layers, self.pyramid_ratio, int(n))[context.layer_idx]
+            for b, n in zip(budgets.tolist(), layer.tokens_seen.tolist())
+        ]
+        return torch.tensor(per_row, dtype=torch.long)
+
+    def select(self, layer: LayerCache, context: LayerContext, budgets: torch.Tensor, head_budgets: str) -> torch.Tensor:
+        """Keep mask [B, H, L] under per-row layer budgets [B]."""
+        view = layer.padded_view()
+        scores = chunk_average(self.score(layer, context), view.valid, self.chunk_size)
+        key = priority(scores, self.protected(layer, budgets), view.positions, view.valid)
+        if head_budgets == "adaptive":
+            per_head = adaptive_head_budgets(key, budgets, self.alpha, layer.head_lengths())
+        else:
+            per_head = torch.minimum(budgets[:, None].expand(-1, layer.num_kv_heads), layer.head_lengths())
+        return top_per_head(key, per_head)
+
+    def compress(self, layer: LayerCache, context: LayerContext) -> None:
+        layer.retain(self.select(layer, context, self.layer_budget(layer, context), self.head_budgets))
+
+    def decode_budget(self, layer: LayerCache) -> torch.Tensor:
+        """Per-row entries per head allowed while decoding: the budget, or ratio × tokens so far."""
+        if self.budget is not None:
+            return torch.full_like(layer.tokens_seen, self.budget)
+        return torch.clamp((layer.tokens_seen.double() * self.ratio).ceil().long(), min=1)
+
+    def after_decode_step(self, layer, probs, context) -> None:
+        if not self.evict_while_decoding:
+            return
+        budgets = self.decode_budget(layer)
+        if bool((layer.head_lengths() > budgets[:, None]).any()):
+            layer.retain(self.select(layer, context, budgets, "uniform"))
+
+
+__all__ = [
+    "Method",
+    "Needs",
+    "ScoreMethod",
+    "adaptive_head_budgets",
+    "chunk_average",
+    "pool_scores",
+    "priority",
+    "pyramid_layer_budgets",
+    "recent_mask",
+    "round_preserving_sum",
+    "sink_mask",
+    "top_per_head",
+]

@@ -1,0 +1,61 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs").
+
+Score σ_j = Σ_i a_ij, the attention every query so far paid to entry j (mean over the GQA
+group); keep the top B − R by score plus the R most recent (METHODS.md, "H2O"). While
+decoding, each new query's weights are added to σ and the lowest entries are evicted
+whenever a head holds more than the budget, so the cache never grows past it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Needs, ScoreMethod, recent_mask, sink_mask
+
+SCORE = "h2o_score"
+
+
+@dataclass
+class H2O(ScoreMethod):
+    """Heavy hitters by accumulated attention + a recent window; evicts while decoding.
+
+    Options: recent_ratio (share R/B of the budget given to the most recent tokens, 0.5 as
+    in the paper's equal split), plus ScoreMethod's sinks and chunk_size.
+    """
+
+    recent_ratio: float = 0.5
+
+    name: ClassVar[str] = "h2o"
+    paper: ClassVar[str] = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs"
+    evict_while_decoding: ClassVar[bool] = True
+    wants_decode_probs: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
+
+    def needs(self) -> Needs:
+        return Needs(attention_sums=True)
+
+    def compress(self, layer, context) -> None:
+        layer.extras[SCORE] = layer.observations["entry:attention_sums"]
+        super().compress(layer, context)
+
+    def score(self, layer, context) -> torch.Tensor:
+        return layer.padded(layer.extras[SCORE])
+
+    def protected(self, layer, budgets) -> torch.Tensor:
+        view = layer.padded_view()
+        recent = (budgets.double() * self.recent_ratio).round().long()
+        return recent_mask(view.positions, view.valid, recent) | sink_mask(view.positions, view.valid, self.sinks)
+
+    def after_decode_step(self, layer, probs, context) -> None:
+        received = probs.sum(dim=3).mean(dim=2)  # [B, H, L]: this step's attention, mean over the group
+        view_valid = layer.padded_view().valid
+        flat = received[view_valid] if view_valid is not None else received.reshape(-1)
+        layer.extras[SCORE] = layer.extras[SCORE] + flat
+        super().after_decode_step(layer, probs, context)

@@ -1,0 +1,28 @@
+"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks").
+
+Keep ``sinks`` first tokens plus the ``B − sinks`` most recent (METHODS.md, "StreamingLLM").
+While decoding the window rolls: whenever a head exceeds the budget, the oldest non-sink
+entries leave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import ScoreMethod
+
+
+@dataclass
+class StreamingLLM(ScoreMethod):
+    """Attention sinks + a recent window; evicts the oldest entries while decoding."""
+
+    sinks: int = 4
+
+    name: ClassVar[str] = "streamingllm"
+    paper: ClassVar[str] = "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks"
+    evict_while_decoding: ClassVar[bool] = True
+
+    def score(self, layer, context):
+        """Recency: a later position scores higher."""
+        return layer.padded_view().positions.float()

@@ -1,0 +1,58 @@
+"""Shared builders for tests: tiny random models and layers filled with random entries."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from kvcompress.cache import LayerCache, LayerContext
+
+
+def tiny_model(kind: str = "llama", layers: int = 2, seed: int = 0):
+    """A randomly initialised Llama (or Qwen3, with q/k-norm) small enough for unit tests."""
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, pad_token_id=0,
+    )
+    config = Qwen3Config(head_dim=16, **common) if kind == "qwen3" else LlamaConfig(**common)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None  # random models would stop at random; always decode in full
+    return model
+
+
+def random_layer(batch=1, heads=2, group=2, length=64, dim=8, window=8, seed=0, lengths=None):
+    """A LayerCache holding random entries at positions 0..length-1 plus the last ``window`` queries.
+
+    ``lengths`` (per batch row) left-pads shorter rows: their first tokens are padding.
+    Returns (layer, context, queries [B, H·G, length, d], positions [B, length]).
+    """
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, heads, length, dim, generator=g)
+    values = torch.randn(batch, heads, length, dim, generator=g)
+    queries = torch.randn(batch, heads * group, length, dim, generator=g) * 2
+    valid = None
+    positions = torch.arange(length).expand(batch, length).clone()
+    if lengths is not None:
+        valid = torch.arange(length)[None, :] >= (length - torch.tensor(lengths))[:, None]
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    layer = LayerCache(0, heads, dim)
+    layer.append(keys, values, positions, valid)
+    layer.observations["window_queries"] = queries[:, :, -window:]
+    layer.observations["window_positions"] = positions[:, -window:]
+    context = LayerContext(layer_idx=0, num_layers=4, module=None, scaling=dim**-0.5)
+    return layer, context, queries, positions, valid
+
+
+def kept_positions(layer) -> list[list[list[int]]]:
+    """Per (row, head): the sorted original positions the layer holds."""
+    lengths = layer.head_lengths()
+    flat = layer.positions.tolist()
+    out, i = [], 0
+    for row in lengths.tolist():
+        heads = []
+        for n in row:
+            heads.append(sorted(flat[i : i + n]))
+            i += n
+        out.append(heads)
+    return out

@@ -1,0 +1,91 @@
+"""kvc.generate on the embedded model: exactness against model.generate, protocol, errors."""
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cli import main as cli_main
+from kvcompress.demo import needle_prompt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompt(embedded):
+    _, tokenizer = embedded
+    return needle_prompt(tokenizer, context_tokens=600, seed=1)
+
+
+def test_full_reproduces_model_generate_token_for_token(embedded, prompt):
+    model, tokenizer = embedded
+    out = kvc.generate(model, tokenizer, prompt.context, prompt.question, "full", max_new_tokens=24)
+    reference = model.generate(torch.tensor([out.prompt_ids]), max_new_tokens=24, do_sample=False)
+    assert out.token_ids == reference[0, len(out.prompt_ids):].tolist()
+    assert prompt.answer in out.text
+    # a 4-byte position per 512-byte fp32 entry, plus 8 bytes of length per head and layer
+    tokens = len(out.prompt_ids) + len(out.token_ids) - 1
+    assert out.stats["kv_bytes_end"] == 30 * 3 * (tokens * (512 + 4) + 8)
+    assert out.stats["kr"] == pytest.approx(1 + 4 / 512, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", [m for m in kvc.available_methods() if m != "full"])
+def test_every_method_at_ratio_one_equals_full(embedded, prompt, name):
+    model, tokenizer = embedded
+    full = kvc.generate(model, tokenizer, prompt.context, prompt.question, "full", max_new_tokens=12)
+    out = kvc.generate(model, tokenizer, prompt.context, prompt.question, kvc.get_method(name, ratio=1.0), max_new_tokens=12)
+    assert out.token_ids == full.token_ids
+
+
+def test_query_agnostic_compresses_only_the_context(embedded, prompt):
+    model, tokenizer = embedded
+    out = kvc.generate(model, tokenizer, prompt.context, prompt.question, kvc.get_method("snapkv", budget=64), max_new_tokens=4)
+    stats = out.stats
+    per_layer_full = stats["context_tokens"] * 3 * 64 * 2 * 4
+    assert stats["kv_bytes_full"] == 30 * per_layer_full
+    assert stats["kv_bytes"] == 30 * 3 * 64 * (2 * 64 * 4 + 4) + 30 * 3 * 8  # entries + positions + head lengths
+    assert stats["kr"] == stats["kv_bytes"] / stats["kv_bytes_full"]
+    assert stats["kr_end"] > stats["kr"]  # the question and answer were appended uncompressed
+
+
+def test_bad_inputs_get_clear_errors(embedded, prompt):
+    model, tokenizer = embedded
+    with pytest.raises(ValueError, match="context is empty"):
+        kvc.generate(model, tokenizer, "  ", "What?", "full")
+    with pytest.raises(ValueError, match="exceeds the model's 8192 positions"):
+        kvc.generate(model, tokenizer, "word " * 9000, "What?", "full")
+    with pytest.raises(ValueError, match="budget must be a positive"):
+        kvc.get_method("snapkv", budget=0)
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\]"):
+        kvc.get_method("snapkv", ratio=1.5)
+    with pytest.raises(ValueError, match="exactly one of"):
+        kvc.get_method("snapkv")
+    with pytest.raises(ValueError, match="available methods: full, streamingllm"):
+        kvc.get_method("snapkvv", budget=4)
+    with pytest.raises(ValueError, match="has no option windw"):
+        kvc.get_method("snapkv", budget=4, windw=3)
+
+
+def test_budget_at_or_above_context_keeps_everything_and_says_so(embedded, prompt):
+    model, tokenizer = embedded
+    out = kvc.generate(model, tokenizer, prompt.context, prompt.question, kvc.get_method("snapkv", budget=5000), max_new_tokens=4)
+    assert out.stats["kr"] == pytest.approx(1 + 4 / 512, abs=1e-3)
+    assert any("everything kept" in note for note in out.stats["notes"])
+
+
+def test_cli_generate_prints_answer_and_stats(embedded, prompt, tmp_path, capsys):
+    context = tmp_path / "context.txt"
+    context.write_text(prompt.context)
+    code = cli_main(["generate", "--context-file", str(context), "--question", prompt.question,
+                     "--method", "full", "--max-new-tokens", "20"])
+    captured = capsys.readouterr()
+    assert code == 0 and prompt.answer in captured.out
+    assert "[full] kr=1.008" in captured.err
+    code = cli_main(["generate", "--context-file", str(context), "--question", prompt.question,
+                     "--method", "snapkv", "--budget", "64", "--json", "--max-new-tokens", "4"])
+    stats = __import__("json").loads(capsys.readouterr().out)["stats"]
+    assert code == 0 and stats["method"] == "snapkv@64" and stats["kr"] < 0.2
+
+
+def test_cli_reports_missing_file(capsys):
+    assert cli_main(["generate", "--context-file", "/nonexistent/ctx.txt", "--question", "q"]) == 2
+    assert "context file not found" in capsys.readouterr().err
