@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from kvcompress.cache import LayerCache, LayerContext
 
 
 def tiny_model(kind: str = "llama", layers: int = 2, seed: int = 0):
-    """A randomly initialised Llama (or Qwen3, with q/k-norm) small enough for unit tests."""
+    """A randomly initialised Llama, Mistral, Qwen2 (q/k/v bias) or Qwen3 (q/k-norm) small enough for unit tests."""
     torch.manual_seed(seed)
     common = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, pad_token_id=0,
     )
-    config = Qwen3Config(head_dim=16, **common) if kind == "qwen3" else LlamaConfig(**common)
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "mistral": MistralConfig}[kind]
+    config = config_class(head_dim=16, **common)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = None  # random models would stop at random; always decode in full
     return model

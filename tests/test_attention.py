@@ -10,6 +10,14 @@ from kvcompress.cache import LayerCache
 from transformers.integrations.sdpa_attention import repeat_kv
 
 
+class _Module:
+    """What transformers' SDPA call reads from an attention module."""
+
+    num_key_value_groups = 2
+    training = False
+    is_causal = True
+
+
 def _dense_attention(q, k, v, scaling):
     """Plain softmax attention in float64, queries [B, Hq, q, d] over keys [B, Hq, L, d], no mask."""
     w = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * scaling, dim=-1)
@@ -84,8 +92,8 @@ def test_summary_term_merges_through_lse():
     part.append(k[:, :, 6:], v[:, :, 6:], pos[:, 6:])
     part.summary = _ExactSummary(k[:, :, :6], v[:, :, :6], torch.arange(6).expand(1, 2, 6))
     qpos = torch.tensor([[16]])
-    out_full, _ = read(None, full, q, qpos, 0.35, return_probs=True)
-    out_part, _ = read(None, part, q, qpos, 0.35)
+    out_full, _ = read(_Module(), full, q, qpos, 0.35)
+    out_part, _ = read(_Module(), part, q, qpos, 0.35)
     assert torch.allclose(out_part, out_full, atol=1e-6)
 
 
@@ -115,15 +123,14 @@ def test_sdpa_fast_path_matches_reference(num_queries):
     qpos = torch.arange(12, 12 + num_queries).expand(2, num_queries)
     layer.append(new_k, new_v, qpos)
     q = torch.randn(2, 4, num_queries, 16)
-
-    class _Module:
-        num_key_value_groups = 2
-        training = False
-        is_causal = True
-
-    fast, _ = read(_Module(), layer, q, qpos, 0.25)
-    slow, _ = read(_Module(), layer, q, qpos, 0.25, return_probs=True)
-    assert torch.allclose(fast, slow, atol=1e-5)
+    fast, probs = read(_Module(), layer, q, qpos, 0.25, return_probs=True)
+    grouped = q.view(2, 2, 2, num_queries, 16)
+    view = layer.padded_view()
+    slow, _, ref_probs = attend_reference(
+        grouped, view.keys, view.values, 0.25, query_positions=qpos, key_positions=view.positions, return_probs=True
+    )
+    assert torch.allclose(fast, slow.reshape(2, 4, num_queries, 16).transpose(1, 2), atol=1e-5)
+    assert torch.allclose(probs, ref_probs)
 
 
 def test_hidden_future_keys_get_no_weight():

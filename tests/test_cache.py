@@ -16,7 +16,7 @@ def _generate(model, ids, cache=None, mask=None, new=8):
     )
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral"])
 def test_full_and_ratio_one_reproduce_generate(kind):
     model = tiny_model(kind)
     ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(1))
@@ -95,6 +95,10 @@ def test_fork_equals_compressing_directly():
         for a, b in zip(direct.layers, forked.layers):
             assert torch.equal(a.positions, b.positions) and torch.equal(a.flat_keys, b.flat_keys), name
     assert shared.layers[0].num_entries == 2 * 60  # the shared prefill is untouched
+    before = shared.stats()
+    forked = shared.fork(get_method("h2o", budget=12))
+    _generate(model, ids, forked, new=5)  # decoding on a fork leaves the shared prefill as it was
+    assert shared.stats() == before and forked.stats()["kv_bytes_full"] > before["kv_bytes_full"]
 
 
 def test_unsupported_generation_modes_fail_clearly():

@@ -10,8 +10,9 @@ Two implementations of the same function:
   everything: ragged heads (a validity mask), log-weights, a summary term.
 * the fast path in ``read``: transformers' own SDPA call, used when the layer is
   uncompressed-looking (no log-weights, no summary, every head the same length), so that
-  the ``full`` method reproduces ``model.generate`` token for token. Tests check that the
-  two agree.
+  the ``full`` method (and any method at ratio 1.0) reproduces ``model.generate`` token for
+  token. Methods that read the weights get them from ``attention_probs`` beside it. Tests
+  check that the two paths agree.
 
 Causality is decided by original token positions (a key is visible to a query when its
 position is not after the query's), so new tokens appended behind an evicted prefix need
@@ -152,10 +153,13 @@ def read(
     probabilities over the layer's entries [B, H, G, q, L] on the padded view.
     """
     view = layer.padded_view()
-    simple = layer.log_weights is None and layer.summary is None and view.valid is None
-    if simple and not return_probs:
-        return _read_sdpa(module, query, query_positions, view.keys, view.values, view.positions, scaling), None
     grouped = group_queries(query, layer.num_kv_heads)
+    if layer.log_weights is None and layer.summary is None and view.valid is None:
+        out = _read_sdpa(module, query, query_positions, view.keys, view.values, view.positions, scaling)
+        probs = None
+        if return_probs:  # scoring methods read the weights; the output stays SDPA's (exactness of ratio 1.0)
+            probs = attention_probs(grouped, view.keys, scaling, query_positions, view.positions)
+        return out, probs
     out, _, probs = attend_reference(
         grouped,
         view.keys,

@@ -201,7 +201,7 @@ class LayerCache(CacheLayerMixin):
                 mask = torch.cat([old_valid, new_valid], dim=2)
                 self._assign({n: t[mask] for n, t in merged.items()}, mask)
         self.seen += q
-        self.tokens_seen += token_valid.sum(dim=1).cpu()
+        self.tokens_seen = self.tokens_seen + token_valid.sum(dim=1).cpu()  # never in place: clones share it
 
     def retain(self, keep: torch.Tensor) -> None:
         """Keep the entries marked True in ``keep`` [B, H, L] (the padded view's layout)."""
@@ -323,6 +323,8 @@ class CompressedCache(Cache):
         self.observation_window = needs.window if observation_window is None else observation_window
         self.attention_sums = needs.attention_sums if attention_sums is None else attention_sums
         self.timings: dict[str, float] = {"compress_s": 0.0}
+        self.recorder: dict[int, tuple] | None = None  # set to {} to record each layer's next step
+        self.merge_error: float | None = None  # methods with a reference query report its error here
 
     # ----- transformers' cache protocol ---------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -363,6 +365,8 @@ class CompressedCache(Cache):
             return self._prefill(layer, context, query, key, value, mask, position_ids)
         layer.append(key, value, position_ids)
         out, probs = attention.read(module, layer, query, position_ids, scaling, self.method.wants_decode_probs)
+        if self.recorder is not None:  # diagnose: what this layer saw and answered
+            self.recorder[layer_idx] = (query, key, value, position_ids, out)
         self.method.after_decode_step(layer, probs, context)
         return out
 
@@ -408,6 +412,8 @@ class CompressedCache(Cache):
         twin.method = method
         twin.compress_on_prefill = True
         twin.timings = {"compress_s": 0.0}
+        twin.recorder = None
+        twin.merge_error = None
         for layer in twin.layers:
             twin._compress_layer(layer, LayerContext(layer.layer_idx, self.num_layers, self._modules[layer.layer_idx], self._scaling(layer)))
         return twin

@@ -7,10 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from . import available_methods, generate, get_method, load_model
 from .demo import needle_prompt
+from .eval.tasks import BUILTIN_TASKS
 from .methods import REGISTRY
 
 
@@ -77,6 +79,110 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _sizes(args) -> tuple[list[int] | None, list[float] | None]:
+    budgets = [int(x) for x in args.budgets.split(",")] if args.budgets else None
+    ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
+    return budgets, ratios
+
+
+def _grid(args) -> list:
+    """Every method × size (``full`` once, first)."""
+    from .eval.runner import EvalSettings, method_grid
+
+    budgets, ratios = _sizes(args)
+    return method_grid(EvalSettings(methods=args.methods.split(","), budgets=budgets, ratios=ratios))
+
+
+def _out_dir(args) -> Path:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def cmd_eval(args) -> int:
+    """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png."""
+    from .eval.report import eval_markdown, plot_accuracy_vs_kr, write_json, write_jsonl
+    from .eval.runner import EvalSettings, prediction_record, run_eval
+
+    budgets, ratios = _sizes(args)
+    settings = EvalSettings(
+        methods=args.methods.split(","), budgets=budgets, ratios=ratios,
+        tasks=args.tasks.split(",") if args.tasks else [], task_files=args.task_file or [],
+        samples=args.samples, context_tokens=args.context_tokens, seed=args.seed,
+        query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,
+    )
+    model, tokenizer = load_model(args.model)
+    rows, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet)
+    out = _out_dir(args)
+    model_name = args.model or "smollm2-135m-instruct"
+    write_json(out / "results.json", rows, model=model_name, seed=args.seed, settings=vars(settings), wall_s=wall)
+    write_jsonl(out / "predictions.jsonl", [prediction_record(p) for p in predictions])
+    protocol = "query-aware" if settings.query_aware else "query-agnostic"
+    title = f"eval: {model_name}, {protocol}, {settings.context_tokens} context tokens"
+    markdown = eval_markdown(rows, title)
+    (out / "results.md").write_text(markdown)
+    plot_accuracy_vs_kr(rows, out / "accuracy_vs_kr.png", title)
+    print(markdown)
+    print(f"wall time {wall:.0f} s; results in {out}/ (results.json, results.md, predictions.jsonl); plot: {out / 'accuracy_vs_kr.png'}")
+    return 0
+
+
+def cmd_diagnose(args) -> int:
+    """Fidelity on plain text → diagnose.json, diagnose.md, error_per_layer.png."""
+    from .diagnose import diagnose, diagnose_markdown, plot_layer_errors
+    from .eval.report import write_json
+
+    text = None
+    if args.text:
+        path = Path(args.text)
+        if not path.is_file():
+            raise FileNotFoundError(f"text file not found: {path}")
+        text = path.read_text()
+    methods = [m for m in _grid(args) if m.name != "full"]
+    model, tokenizer = load_model(args.model)
+    rows = diagnose(model, tokenizer, methods, text=text, context_tokens=args.context_tokens,
+                    continuation_tokens=args.continuation_tokens, progress=not args.quiet)
+    out = _out_dir(args)
+    settings = {"methods": args.methods, "budgets": args.budgets, "ratios": args.ratios, "text": args.text or "built-in",
+                "context_tokens": args.context_tokens, "continuation_tokens": args.continuation_tokens}
+    model_name = args.model or "smollm2-135m-instruct"
+    write_json(out / "diagnose.json", rows, model=model_name, seed=args.seed, settings=settings)
+    title = f"diagnose: {model_name}, {args.context_tokens} context + {args.continuation_tokens} continuation tokens"
+    markdown = diagnose_markdown(rows, title)
+    (out / "diagnose.md").write_text(markdown)
+    plot_layer_errors(rows, out / "error_per_layer.png", title)
+    print(markdown)
+    print(f"results in {out}/ (diagnose.json, diagnose.md); plot: {out / 'error_per_layer.png'}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    """Speed and memory of each method against full in one run → bench.json."""
+    from .bench import bench
+    from .eval.report import write_json
+
+    methods = _grid(args)
+    model, tokenizer = load_model(args.model, device=args.device)
+    out = _out_dir(args)
+    rows = []
+    for tokens in [int(x) for x in args.context_tokens.split(",")]:
+        rows += bench(model, tokenizer, methods, context_tokens=tokens, batch_size=args.batch_size,
+                      decode_tokens=args.decode_tokens, repeats=args.repeats, seed=args.seed, progress=not args.quiet)
+    settings = {k: getattr(args, k) for k in ("methods", "budgets", "ratios", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}
+    write_json(out / "bench.json", rows, model=args.model or "smollm2-135m-instruct", seed=args.seed, settings=settings,
+               device=str(model.device), threads=torch.get_num_threads())
+    print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        size = r["budget"] if r["budget"] is not None else (f"{r['ratio']:g}" if r["ratio"] is not None else "—")
+        print(f"| {r['context_tokens']} | {r['method']} | {size} | {r['prefill_s']:.2f} | {r['compress_s']:.3f} | "
+              f"{r['decode_ms_per_token']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.0f} | "
+              f"{r.get('prefill_s_vs_full') or 0:.2f} | {r.get('decode_ms_per_token_vs_full') or 0:.2f} | "
+              f"{r.get('kv_bytes_vs_full') or 0:.3f} | {r.get('compress_vs_full_prefill') or 0:.3f} |")
+    print(f"results in {out / 'bench.json'}")
+    return 0
+
+
 def cmd_methods(args) -> int:
     """List the registered methods with their papers."""
     for name in available_methods():
@@ -115,6 +221,43 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--context-tokens", type=int, default=1200)
     d.set_defaults(func=cmd_demo)
 
+    def sweep(p, out, ratios=None, budgets=None):
+        p.add_argument("--methods", default=",".join(available_methods()), help="comma-separated method names")
+        size = p.add_mutually_exclusive_group()
+        size.add_argument("--budgets", default=budgets, help="comma-separated entries per KV head, e.g. 64,128,256")
+        size.add_argument("--ratios", default=ratios, help="comma-separated kept fractions, e.g. 0.1,0.25,0.5")
+        p.add_argument("--out", default=out, help="output directory")
+
+    e = sub.add_parser("eval", help="task accuracy per method × budget")
+    common(e)
+    sweep(e, "runs/eval")
+    e.add_argument("--tasks", default=",".join(BUILTIN_TASKS), help="built-in tasks (comma-separated; empty for none)")
+    e.add_argument("--task-file", action="append", help="a JSONL task file (repeatable)")
+    e.add_argument("--samples", type=int, default=10, help="samples per task")
+    e.add_argument("--context-tokens", type=int, default=1536)
+    e.add_argument("--max-new-tokens", type=int, default=None, help="default: per task")
+    e.add_argument("--query-aware", action="store_true", help="compress the question with the context")
+    e.add_argument("--no-share-prefill", action="store_true", help="prefill again for every method × budget")
+    e.set_defaults(func=cmd_eval)
+
+    dg = sub.add_parser("diagnose", help="fidelity on plain text: per-layer attention error, KL, perplexity")
+    common(dg)
+    sweep(dg, "runs/diagnose", budgets="64,128,256")
+    dg.add_argument("--text", help="a text file (default: the built-in prose)")
+    dg.add_argument("--context-tokens", type=int, default=1536)
+    dg.add_argument("--continuation-tokens", type=int, default=64)
+    dg.set_defaults(func=cmd_diagnose)
+
+    b = sub.add_parser("bench", help="speed and memory against full, as same-run ratios")
+    common(b)
+    sweep(b, "runs/bench", budgets="128")
+    b.add_argument("--context-tokens", default="2048", help="comma-separated context lengths")
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--decode-tokens", type=int, default=32)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--device", default="cpu")
+    b.set_defaults(func=cmd_bench)
+
     m = sub.add_parser("methods", help="list the methods")
     m.set_defaults(func=cmd_methods)
     return parser
@@ -122,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "quiet", False) or args.verb in ("demo", "generate"):
+    if args.verb != "methods":
         _quiet_transformers()
     if args.verb == "generate" and args.method != "full" and args.budget is None and args.ratio is None:
         args.ratio = 0.25

@@ -103,25 +103,40 @@ def generate(
     method = get_method(method) if isinstance(method, str) else (method or get_method("full"))
     prompt = build_prompt(tokenizer, context, question)
     check_inputs(model, context, prompt, max_new_tokens)
-    device = next(model.parameters()).device
     cache = CompressedCache(model, method)
+    logits, prefill_wall = prefill(model, cache, prompt, query_aware)
+    out = answer(model, tokenizer, cache, prompt, logits, max_new_tokens=max_new_tokens, query_aware=query_aware)
+    out.stats["prefill_s"] = prefill_wall - out.stats["compress_s"]
+    return out
 
-    prefill_ids = prompt.ids if query_aware else prompt.prefix_ids
+
+def prefill(model, cache: CompressedCache, prompt: Prompt, query_aware: bool) -> tuple[torch.Tensor, float]:
+    """Run the compressed prefix (the context, or context + question) into ``cache``: (last logits, wall s)."""
+    ids = prompt.ids if query_aware else prompt.prefix_ids
     start = time.perf_counter()
-    logits = model(torch.tensor([prefill_ids], device=device), past_key_values=cache, use_cache=True).logits
-    prefill_wall = time.perf_counter() - start
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def answer(
+    model, tokenizer, cache: CompressedCache, prompt: Prompt, prefill_logits: torch.Tensor, *,
+    max_new_tokens: int, query_aware: bool,
+) -> GenerateOutput:
+    """Decode the answer on a cache that holds the (compressed) prefix; ``prefill_logits`` = its last logits."""
     compressed = cache.stats()
-
     start = time.perf_counter()
+    logits = prefill_logits
     if not query_aware:
-        logits = model(torch.tensor([prompt.suffix_ids], device=device), past_key_values=cache, use_cache=True).logits
+        logits = model(
+            torch.tensor([prompt.suffix_ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits
     question_s = time.perf_counter() - start
-
-    token_ids, decode_s = _greedy(model, cache, logits, max_new_tokens, _eos_ids(model, tokenizer), device)
+    token_ids, decode_s = _greedy(model, cache, logits, max_new_tokens, _eos_ids(model, tokenizer))
     end = cache.stats()
-    steps = max(len(token_ids) - 1, 1)
     stats = {
-        "method": method.label,
+        "method": cache.method.label,
         "kr": compressed["kr"],
         "cr": compressed["cr"],
         "kv_bytes": compressed["kv_bytes"],
@@ -129,10 +144,10 @@ def generate(
         "kr_end": end["kr"],
         "kv_bytes_end": end["kv_bytes"],
         "kv_bytes_full_end": end["kv_bytes_full"],
-        "prefill_s": prefill_wall - cache.timings["compress_s"],
+        "prefill_s": None,
         "compress_s": cache.timings["compress_s"],
         "question_s": question_s,
-        "decode_ms_per_token": 1000 * decode_s / steps,
+        "decode_ms_per_token": 1000 * decode_s / max(len(token_ids) - 1, 1),
         "context_tokens": len(prompt.prefix_ids),
         "prompt_tokens": len(prompt.ids),
         "new_tokens": len(token_ids),
@@ -143,7 +158,7 @@ def generate(
     return GenerateOutput(text=text, token_ids=token_ids, prompt_ids=prompt.ids, stats=stats)
 
 
-def _greedy(model, cache, logits, max_new_tokens, eos_ids, device) -> tuple[list[int], float]:
+def _greedy(model, cache, logits, max_new_tokens, eos_ids) -> tuple[list[int], float]:
     """Greedy decoding on ``cache`` from the last logits; returns the ids and the decode wall time."""
     token_ids: list[int] = []
     start = time.perf_counter()
@@ -152,5 +167,5 @@ def _greedy(model, cache, logits, max_new_tokens, eos_ids, device) -> tuple[list
         token_ids.append(next_id)
         if next_id in eos_ids or step == max_new_tokens - 1:
             break
-        logits = model(torch.tensor([[next_id]], device=device), past_key_values=cache, use_cache=True).logits
+        logits = model(torch.tensor([[next_id]], device=model.device), past_key_values=cache, use_cache=True).logits
     return token_ids, time.perf_counter() - start

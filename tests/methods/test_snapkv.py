@@ -25,7 +25,7 @@ def reference_snapkv(keys, queries, window, kernel, pooling, scaling, group):
                 pooled = torch.zeros(length, dtype=torch.float64)
                 for j in range(length):
                     lo, hi = max(0, j - kernel // 2), min(length, j + kernel // 2 + 1)
-                    pooled[j] = votes[lo:hi].max() if pooling == "max" else votes[lo:hi].mean()
+                    pooled[j] = votes[lo:hi].max() if pooling == "max" else votes[lo:hi].sum() / kernel  # zero padding
                 per_query_head.append(pooled)
             row.append(torch.stack(per_query_head).mean(0)[: length - window])
         kept.append(row)

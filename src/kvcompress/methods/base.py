@@ -198,7 +198,7 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
     if pooling == "max":
         out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
     elif pooling == "avg":
-        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)  # zero-padded, as SnapKV and kvpress
     else:
         raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
     return out[..., : shape[-1]].reshape(shape)

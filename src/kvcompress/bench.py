@@ -1,0 +1,128 @@
+"""``kvcompress bench``: speed and memory of each method against the full cache, in one run.
+
+For a context length and batch size: prefill time, compression time, decode ms per token,
+KV bytes held and peak memory, each also as a ratio to ``full`` measured in the same run
+(these machines are noisy; only same-run ratios are comparable). Peak memory is the
+process's peak resident set size growth on CPU (sampled every millisecond from
+/proc/self/statm) and ``torch.cuda.max_memory_allocated`` on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+from tqdm import tqdm
+
+from .cache import CompressedCache
+from .methods import Method
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * _PAGE
+
+
+@contextmanager
+def peak_memory(device: torch.device):
+    """Yields a dict whose ``peak_bytes`` is filled with the peak memory growth inside the block."""
+    result = {"peak_bytes": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        return
+    if not os.path.exists("/proc/self/statm"):
+        yield result
+        return
+    base, peak, stop = _rss(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result["peak_bytes"] = max(peak[0], _rss()) - base
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def bench_one(model, method: Method, input_ids: torch.Tensor, decode_tokens: int) -> dict:
+    """Prefill ``input_ids`` [B, n], compress, decode ``decode_tokens`` greedy steps; timings and memory."""
+    device = input_ids.device
+    with peak_memory(device) as memory:
+        cache = CompressedCache(model, method)
+        _sync(device)
+        start = time.perf_counter()
+        logits = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        _sync(device)
+        prefill_wall = time.perf_counter() - start
+        compressed = cache.stats()
+        next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(decode_tokens):
+            logits = model(next_ids, past_key_values=cache, use_cache=True).logits
+            next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        decode_wall = time.perf_counter() - start
+    return {
+        "method": method.name, "budget": method.budget, "ratio": method.ratio,
+        "prefill_s": prefill_wall - cache.timings["compress_s"],
+        "compress_s": cache.timings["compress_s"],
+        "decode_ms_per_token": 1000 * decode_wall / max(decode_tokens, 1),
+        "kv_bytes": compressed["kv_bytes"], "kv_bytes_full": compressed["kv_bytes_full"],
+        "kr": compressed["kr"], "cr": compressed["cr"],
+        "peak_bytes": memory["peak_bytes"],
+    }
+
+
+def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch_size: int = 1,
+          decode_tokens: int = 32, repeats: int = 1, seed: int = 0, progress: bool = True) -> list[dict]:
+    """One row per method (``full`` first), with ratios to ``full`` from the same run.
+
+    The input is random token ids (the speed of attention does not depend on the text).
+    Each configuration runs once to warm up, then ``repeats`` times; the median is kept.
+    """
+    limit = model.config.max_position_embeddings
+    if context_tokens + decode_tokens > limit:
+        raise ValueError(f"context_tokens + decode_tokens = {context_tokens + decode_tokens} exceeds the model's {limit} positions")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    low = min(100, vocab // 2)  # skip the special tokens at the start of most vocabularies
+    ids = torch.randint(low, vocab, (batch_size, context_tokens), generator=generator).to(model.device)
+    rows = []
+    for method in tqdm(methods, desc=f"bench {context_tokens} tokens", disable=not progress):
+        bench_one(model, method, ids[:, : min(256, context_tokens)], 2)  # warm-up
+        runs = [bench_one(model, method, ids, decode_tokens) for _ in range(repeats)]
+        row = {}
+        for key in runs[0]:
+            values = [r[key] for r in runs]
+            row[key] = sorted(values)[len(values) // 2] if isinstance(values[0], float) else values[0]
+        row.update({"context_tokens": context_tokens, "batch_size": batch_size, "decode_tokens": decode_tokens})
+        rows.append(row)
+    full = next((r for r in rows if r["method"] == "full"), None)
+    if full is not None:
+        for r in rows:
+            for key in ("prefill_s", "decode_ms_per_token", "kv_bytes", "peak_bytes"):
+                r[f"{key}_vs_full"] = r[key] / full[key] if full[key] else None
+            r["compress_vs_full_prefill"] = r["compress_s"] / full["prefill_s"] if full["prefill_s"] else None
+    return rows

@@ -1,0 +1,119 @@
+"""``kvcompress diagnose``: how faithfully a compressed cache reproduces the full one, on plain text.
+
+Prefill ``context_tokens`` of text, compress, then teacher-force the next
+``continuation_tokens`` tokens. Reported per method × budget (METHODS.md, "Metrics"):
+
+* ``rel_error_per_layer``: ‖o − o_full‖ / ‖o_full‖ of each layer's attention output over the
+  continuation, with every layer fed the full model's own queries and continuation entries,
+  so that a layer's error is its compression's alone (errors do not compound);
+* ``rel_error``: its mean over layers;
+* ``kl``: mean KL(p_full ‖ p_method) of the next-token distributions, end to end;
+* ``ppl_ratio``: perplexity of the continuation with the method ÷ with the full cache;
+* ``rel_error_at_merge``: the error, right after compression, of the query the method
+  compressed for (KeepKV fills it; None for methods without one, 0 for full).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import attention
+from .cache import CompressedCache
+from .demo import haystack_text
+from .methods import Method
+from .models import attention_modules
+
+
+def text_ids(tokenizer, text: str | None, count: int) -> list[int]:
+    """The first ``count`` tokens of ``text`` (default: the built-in prose), with a clear error if too short."""
+    ids = tokenizer(text if text is not None else haystack_text(), add_special_tokens=False).input_ids
+    if len(ids) < count:
+        raise ValueError(f"the text has {len(ids)} tokens but {count} are needed (context + continuation); give a longer --text")
+    return ids[:count]
+
+
+@torch.inference_mode()
+def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None,
+             context_tokens: int = 1536, continuation_tokens: int = 64, progress: bool = True) -> list[dict]:
+    """Fidelity rows (DESIGN.md ``diagnose.json``) for ``full`` and each method."""
+    if context_tokens < 1 or continuation_tokens < 2:
+        raise ValueError("context_tokens must be ≥ 1 and continuation_tokens ≥ 2")
+    ids = torch.tensor([text_ids(tokenizer, text, context_tokens + continuation_tokens)], device=model.device)
+    context, continuation = ids[:, :context_tokens], ids[:, context_tokens:]
+    needs = [m.needs() for m in methods]
+    shared = CompressedCache(model, compress_on_prefill=False,
+                             observation_window=max([n.window for n in needs], default=0),
+                             attention_sums=any(n.attention_sums for n in needs))
+    model(context, past_key_values=shared, use_cache=True, logits_to_keep=1)
+
+    full = shared.fork(shared.method)
+    full.recorder = {}
+    full_logits = model(continuation, past_key_values=full, use_cache=True).logits[0, :-1].float()
+    reference = full.recorder
+    targets = continuation[0, 1:]
+    full_nll = F.cross_entropy(full_logits, targets)
+
+    rows = []
+    for method in tqdm([shared.method, *methods], desc="diagnose", disable=not progress):
+        compressed = shared.fork(method)
+        stats = compressed.stats()
+        errors = layer_errors(model, compressed, reference)
+        logits = model(continuation, past_key_values=compressed, use_cache=True).logits[0, :-1].float()
+        kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(full_logits, -1), log_target=True, reduction="batchmean")
+        nll = F.cross_entropy(logits, targets)
+        rows.append({
+            "method": method.name, "budget": method.budget, "ratio": method.ratio,
+            "kr": stats["kr"], "cr": stats["cr"],
+            "rel_error_per_layer": errors, "rel_error": sum(errors) / len(errors),
+            "kl": float(kl), "ppl_ratio": float(torch.exp(nll - full_nll)),
+            "rel_error_at_merge": 0.0 if method.name == "full" else compressed.merge_error,
+        })
+    return rows
+
+
+def layer_errors(model, compressed: CompressedCache, reference: dict[int, tuple]) -> list[float]:
+    """Per layer: the compressed layer's output for the full run's continuation queries and entries."""
+    modules = attention_modules(model)
+    errors = []
+    for idx, layer in enumerate(compressed.layers):
+        query, key, value, positions, full_out = reference[idx]
+        probe = layer.clone()
+        probe.append(key, value, positions)
+        out, _ = attention.read(modules[idx], probe, query, positions, compressed._scaling(layer))
+        errors.append(float((out.float() - full_out.float()).norm() / full_out.float().norm()))
+    return errors
+
+
+def diagnose_markdown(rows: list[dict], title: str) -> str:
+    """A table of the scalar metrics, one line per method × size."""
+    lines = [f"# {title}", "", "| method | size | kr | rel_error | kl | ppl_ratio | rel_error_at_merge |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        size = r["budget"] if r["budget"] is not None else (f"{r['ratio']:g}" if r["ratio"] is not None else "—")
+        merge = "" if r["rel_error_at_merge"] is None else f"{r['rel_error_at_merge']:.2e}"
+        lines.append(f"| {r['method']} | {size} | {r['kr']:.3f} | {r['rel_error']:.4f} | {r['kl']:.4f} | {r['ppl_ratio']:.3f} | {merge} |")
+    lines += ["", "rel_error: mean over layers of ‖o − o_full‖/‖o_full‖ over the continuation (each layer fed the full "
+              "run's queries); kl: mean next-token KL(full ‖ method); ppl_ratio: continuation perplexity ÷ full's."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_layer_errors(rows: list[dict], path, title: str) -> None:
+    """Relative attention-output error per layer, one line per method × size (log scale)."""
+    from .eval.report import plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if r["method"] == "full":
+            continue
+        size = r["budget"] if r["budget"] is not None else f"{r['ratio']:g}"
+        ax.plot(range(len(r["rel_error_per_layer"])), r["rel_error_per_layer"], marker=".", label=f"{r['method']}@{size}")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative attention-output error")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Evaluation: built-in tasks and task files, metrics, the eval runner and its reports."""

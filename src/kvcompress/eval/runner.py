@@ -1,0 +1,180 @@
+"""``kvcompress eval``: task accuracy for methods × budgets (or ratios) × tasks.
+
+Prefill once, compress many (DESIGN.md, "Evaluation protocol"): each sample's prefix is
+prefilled once into an uncompressed cache that also records what every method scores with;
+each method × budget then compresses a fork of it and decodes the question and answer on
+its own copy. ``share_prefill=False`` runs every configuration from its own prefill
+(the same numbers, slower) to check that sharing changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from statistics import mean
+
+from tqdm import tqdm
+
+from ..cache import CompressedCache
+from ..generate import GenerateOutput, answer, build_prompt, check_inputs, prefill
+from ..methods import Method, get_method
+from .metrics import score
+from .tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, Sample, load_task_file, make_task
+
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+@dataclass
+class EvalSettings:
+    """Everything that defines an eval run (stored in results.json as ``settings``)."""
+
+    methods: list[str]
+    budgets: list[int] | None = None
+    ratios: list[float] | None = None
+    tasks: list[str] = field(default_factory=lambda: list(BUILTIN_TASKS))
+    task_files: list[str] = field(default_factory=list)
+    samples: int = 10
+    context_tokens: int = 1536
+    seed: int = 0
+    query_aware: bool = False
+    share_prefill: bool = True
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budgets and self.ratios:
+            raise ValueError("give --budgets or --ratios, not both")
+        if not self.budgets and not self.ratios:
+            self.ratios = [0.1, 0.25, 0.5]
+        if self.samples < 1:
+            raise ValueError(f"samples must be ≥ 1, got {self.samples}")
+        unknown = sorted(set(self.tasks) - set(BUILTIN_TASKS))
+        if unknown:
+            raise ValueError(f"unknown task {', '.join(unknown)}; built-in tasks: {', '.join(BUILTIN_TASKS)} (or --task-file)")
+
+
+def method_grid(settings: EvalSettings) -> list[Method]:
+    """``full`` once, then every other method at every budget or ratio (validated up front)."""
+    grid = [get_method("full")]
+    sizes = [("budget", b) for b in settings.budgets or []] + [("ratio", r) for r in settings.ratios or []]
+    for name in settings.methods:
+        if name == "full":
+            continue
+        for kind, value in sizes:
+            grid.append(get_method(name, **{kind: value}))
+    return grid
+
+
+def load_samples(settings: EvalSettings, tokenizer) -> list[Sample]:
+    """Built-in tasks generated for this tokenizer, then the samples of every task file."""
+    samples = [s for task in settings.tasks for s in make_task(task, tokenizer, settings.samples, settings.context_tokens, settings.seed)]
+    for path in settings.task_files:
+        samples.extend(load_task_file(path)[: settings.samples])
+    if not samples:
+        raise ValueError("no samples: choose --tasks or give --task-file")
+    return samples
+
+
+@dataclass
+class Prediction:
+    """One sample × method × budget (a predictions.jsonl line)."""
+
+    id: str
+    task: str
+    method: str
+    budget: int | None
+    ratio: float | None
+    answer: str
+    score: float
+    correct: bool
+    kr: float
+    stats: dict
+
+
+def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True) -> tuple[list[dict], list[Prediction], float]:
+    """Run the grid on every sample; returns (aggregated rows, predictions, wall seconds)."""
+    grid = method_grid(settings)
+    samples = load_samples(settings, tokenizer)
+    start = time.perf_counter()
+    predictions = []
+    bar = tqdm(total=len(samples) * len(grid), desc="eval", disable=not progress, unit="run")
+    for sample in samples:
+        outputs = _run_sample(model, tokenizer, sample, grid, settings)
+        for method, out in zip(grid, outputs):
+            predictions.append(_prediction(sample, method, out))
+            bar.update(1)
+    bar.close()
+    return aggregate(predictions), predictions, time.perf_counter() - start
+
+
+def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], settings: EvalSettings) -> list[GenerateOutput]:
+    prompt = build_prompt(tokenizer, sample.context, sample.question)
+    max_new = settings.max_new_tokens or MAX_NEW_TOKENS.get(sample.task, DEFAULT_MAX_NEW_TOKENS)
+    check_inputs(model, sample.context, prompt, max_new)
+    qa = settings.query_aware
+    if not settings.share_prefill:
+        outputs = []
+        for method in grid:
+            cache = CompressedCache(model, method)
+            logits, wall = prefill(model, cache, prompt, qa)
+            out = answer(model, tokenizer, cache, prompt, logits, max_new_tokens=max_new, query_aware=qa)
+            out.stats["prefill_s"] = wall - out.stats["compress_s"]
+            outputs.append(out)
+        return outputs
+    needs = [m.needs() for m in grid]
+    shared = CompressedCache(
+        model, compress_on_prefill=False,
+        observation_window=max(n.window for n in needs), attention_sums=any(n.attention_sums for n in needs),
+    )
+    logits, wall = prefill(model, shared, prompt, qa)
+    outputs = []
+    for method in grid:
+        out = answer(model, tokenizer, shared.fork(method), prompt, logits, max_new_tokens=max_new, query_aware=qa)
+        out.stats["prefill_s"] = wall  # the one shared prefill this sample cost
+        outputs.append(out)
+    return outputs
+
+
+def _prediction(sample: Sample, method: Method, out: GenerateOutput) -> Prediction:
+    value = score(out.text, sample.answers, sample.metric)
+    return Prediction(
+        id=sample.id, task=sample.task, method=method.name, budget=method.budget, ratio=method.ratio,
+        answer=out.text, score=value, correct=value >= 1.0, kr=out.stats["kr"], stats=out.stats,
+    )
+
+
+ROW_STATS = ("kr", "cr", "kv_bytes", "kv_bytes_full", "prefill_s", "compress_s", "decode_ms_per_token")
+
+
+def aggregate(predictions: list[Prediction]) -> list[dict]:
+    """Mean score (0–100) and costs per method × budget × task, plus a macro average ``task="all"``."""
+    groups: dict[tuple, list[Prediction]] = defaultdict(list)
+    for p in predictions:
+        groups[(p.method, p.budget, p.ratio, p.task)].append(p)
+    rows = [_row(key, members) for key, members in groups.items()]
+    by_config: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_config[(row["method"], row["budget"], row["ratio"])].append(row)
+    for (method, budget, ratio), task_rows in by_config.items():
+        if len(task_rows) > 1:
+            overall = {"method": method, "budget": budget, "ratio": ratio, "task": "all", "n": sum(r["n"] for r in task_rows)}
+            overall["score"] = mean(r["score"] for r in task_rows)
+            overall.update({k: mean(r[k] for r in task_rows) for k in ROW_STATS})
+            rows.append(overall)
+    return rows
+
+
+def _row(key: tuple, members: list[Prediction]) -> dict:
+    method, budget, ratio, task = key
+    row = {"method": method, "budget": budget, "ratio": ratio, "task": task, "n": len(members)}
+    row["score"] = 100 * mean(p.score for p in members)
+    row.update({k: mean(p.stats[k] for p in members) for k in ROW_STATS})
+    return row
+
+
+def prediction_record(p: Prediction) -> dict:
+    """The predictions.jsonl line (DESIGN.md) plus the score and the sample's cost."""
+    record = asdict(p)
+    stats = record.pop("stats")
+    record["kv_bytes"] = stats["kv_bytes"]
+    return record

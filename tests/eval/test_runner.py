@@ -1,0 +1,96 @@
+"""The eval runner: prefill sharing changes nothing, rows follow the schema, files are written."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_config, tiny_tokenizer
+from kvcompress.cli import main as cli_main
+from kvcompress.eval.report import eval_markdown, plot_accuracy_vs_kr
+from kvcompress.eval.runner import EvalSettings, method_grid, prediction_record, run_eval
+
+ROW_KEYS = {"method", "budget", "ratio", "task", "n", "score", "kr", "cr", "kv_bytes", "kv_bytes_full",
+            "prefill_s", "compress_s", "decode_ms_per_token"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    model.generation_config.eos_token_id = None
+    return model, tiny_tokenizer()
+
+
+@pytest.fixture
+def task_file(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    path = tmp_path / "tasks.jsonl"
+    with path.open("w") as handle:
+        for i in range(3):
+            words = " ".join(f"w{int(x)}" for x in torch.randint(2, 60, (90,), generator=gen))
+            row = {"id": f"s{i}", "context": words, "question": "w5 w6", "answers": ["w7"], "task": "toy", "metric": "contains"}
+            handle.write(json.dumps(row) + "\n")
+    return path
+
+
+def _settings(task_file, **kw):
+    return EvalSettings(methods=["snapkv", "h2o", "adakv", "streamingllm"], budgets=[8, 24], tasks=[],
+                        task_files=[str(task_file)], samples=3, max_new_tokens=6, **kw)
+
+
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_shared_prefill_gives_identical_answers(tiny, task_file, query_aware):
+    model, tokenizer = tiny
+    _, shared, _ = run_eval(model, tokenizer, _settings(task_file, query_aware=query_aware), progress=False)
+    _, alone, _ = run_eval(model, tokenizer, _settings(task_file, query_aware=query_aware, share_prefill=False), progress=False)
+    assert [(p.id, p.method, p.budget, p.answer, p.kr) for p in shared] == [(p.id, p.method, p.budget, p.answer, p.kr) for p in alone]
+
+
+def test_rows_follow_the_schema_and_average_tasks(tiny, task_file):
+    model, tokenizer = tiny
+    rows, predictions, _ = run_eval(model, tokenizer, _settings(task_file), progress=False)
+    assert len(predictions) == 3 * (1 + 4 * 2)
+    assert all(ROW_KEYS <= set(r) for r in rows)
+    full = next(r for r in rows if r["method"] == "full")
+    assert full["n"] == 3 and full["kr"] > 1.0
+    snap8 = next(r for r in rows if r["method"] == "snapkv" and r["budget"] == 8)
+    snap24 = next(r for r in rows if r["method"] == "snapkv" and r["budget"] == 24)
+    assert snap8["kr"] < snap24["kr"] < full["kr"]
+    record = prediction_record(predictions[0])
+    assert {"id", "task", "method", "budget", "ratio", "answer", "correct", "kr"} <= set(record)
+
+
+def test_method_grid_runs_full_once_and_validates_up_front():
+    grid = method_grid(EvalSettings(methods=["full", "snapkv", "adakv"], ratios=[0.1, 0.5]))
+    assert [m.label for m in grid] == ["full", "snapkv@0.1", "snapkv@0.5", "adakv@0.1", "adakv@0.5"]
+    with pytest.raises(ValueError, match="unknown method"):
+        method_grid(EvalSettings(methods=["snap"], ratios=[0.1]))
+    with pytest.raises(ValueError, match="ratio must be"):
+        method_grid(EvalSettings(methods=["snapkv"], ratios=[1.5]))
+    with pytest.raises(ValueError, match="unknown task"):
+        EvalSettings(methods=["snapkv"], tasks=["niah"])
+
+
+def test_report_table_and_plot(tmp_path):
+    rows = [
+        {"method": "full", "budget": None, "ratio": None, "task": "a", "n": 2, "score": 90.0, "kr": 1.0, "decode_ms_per_token": 5.0},
+        {"method": "snapkv", "budget": None, "ratio": 0.25, "task": "a", "n": 2, "score": 50.0, "kr": 0.25, "decode_ms_per_token": 4.0},
+        {"method": "snapkv", "budget": None, "ratio": 0.5, "task": "a", "n": 2, "score": 70.0, "kr": 0.5, "decode_ms_per_token": 4.5},
+    ]
+    table = eval_markdown(rows, "t")
+    assert "| snapkv | 0.25 | 50.0 | 0.250 | 4.0 |" in table and table.index("| full") < table.index("| snapkv")
+    plot_accuracy_vs_kr(rows, tmp_path / "p.png", "t")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_cli_eval_writes_every_file(tmp_path):
+    code = cli_main(["eval", "--methods", "snapkv", "--ratios", "0.5", "--tasks", "niah_single", "--samples", "1",
+                     "--context-tokens", "300", "--out", str(tmp_path), "--quiet"])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {"rows", "model", "seed", "version", "settings"} <= set(results)
+    assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 2
+    assert (tmp_path / "results.md").exists() and (tmp_path / "accuracy_vs_kr.png").exists()

@@ -1,0 +1,30 @@
+"""bench: rows carry same-run ratios to full, and compression really holds fewer bytes."""
+
+import torch
+
+from common import tiny_model
+from kvcompress import get_method
+from kvcompress.bench import bench
+
+
+def test_bench_rows_and_ratios():
+    model = tiny_model()
+    methods = [get_method("full"), get_method("snapkv", budget=16), get_method("h2o", budget=16)]
+    rows = bench(model, None, methods, context_tokens=96, batch_size=2, decode_tokens=4, progress=False)
+    assert [r["method"] for r in rows] == ["full", "snapkv", "h2o"]
+    full, snap, h2o = rows
+    assert full["kv_bytes_vs_full"] == 1.0 and full["decode_ms_per_token_vs_full"] == 1.0
+    assert snap["kv_bytes"] < full["kv_bytes"] / 4
+    assert snap["kv_bytes_full"] == full["kv_bytes_full"] == 2 * 2 * 96 * 2 * 2 * 16 * 4
+    assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 and r["peak_bytes"] >= 0 for r in rows)
+    assert snap["compress_vs_full_prefill"] is not None
+
+
+def test_bench_refuses_contexts_beyond_positions():
+    model = tiny_model()
+    try:
+        bench(model, None, [get_method("full")], context_tokens=600, decode_tokens=4, progress=False)
+    except ValueError as error:
+        assert "exceeds the model's 512 positions" in str(error)
+    else:
+        raise AssertionError("expected a ValueError")
