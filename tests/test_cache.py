@@ -36,7 +36,7 @@ def test_plain_caches_still_work_after_switching_attention():
     assert torch.equal(_generate(model, ids), before)
 
 
-@pytest.mark.parametrize("name", ["full", "snapkv", "adakv", "h2o", "streamingllm", "pyramidkv"])
+@pytest.mark.parametrize("name", ["full", "snapkv", "adakv", "h2o", "streamingllm", "pyramidkv", "momentkv"])
 def test_padded_batch_matches_per_sample_runs(name):
     model = tiny_model(seed=3)
     gen = torch.Generator().manual_seed(2)

@@ -81,7 +81,8 @@ class LayerCache(CacheLayerMixin):
         self.lengths: torch.Tensor | None = None  # int64 [B·H], on CPU
         self.log_weights: torch.Tensor | None = None
         self.extras: dict[str, torch.Tensor] = {}
-        self.summary: attention.Summary | None = None
+        self.summary: attention.Summary | None = None  # merged into every read (never mutated in place)
+        self.state: dict[str, Any] = {}  # per-layer method state, e.g. MomentKV's moments (counted in nbytes)
         self.seen = 0  # token columns processed (incl. padding): the next position to come
         self.tokens_seen: torch.Tensor | None = None  # int64 [B]: real tokens per row
         self.observations: dict[str, torch.Tensor] = {}  # prefill facts for compression
@@ -114,14 +115,15 @@ class LayerCache(CacheLayerMixin):
         return self.lengths.view(self.batch_size, self.num_kv_heads)
 
     def nbytes(self) -> int:
-        """Bytes of state really held: entries, positions, log-weights, extras, summary."""
+        """Bytes of state really held: entries, positions, log-weights, extras, summary, method state."""
         if self.flat_keys is None:
             return 0
         tensors = [self.flat_keys, self.flat_values, self.positions, self.lengths, *self.extras.values()]
         if self.log_weights is not None:
             tensors.append(self.log_weights)
         held = sum(t.numel() * t.element_size() for t in tensors)
-        return held + (self.summary.nbytes() if self.summary is not None else 0)
+        objects = {id(o): o for o in [self.summary, *self.state.values()] if o is not None and hasattr(o, "nbytes")}
+        return held + sum(o.nbytes() for o in objects.values())
 
     def full_nbytes(self) -> int:
         """Bytes a plain (uncompressed) KV cache would hold for the same real tokens."""
@@ -242,7 +244,7 @@ class LayerCache(CacheLayerMixin):
         twin.extras = dict(self.extras)
         twin.observations = dict(self.observations)
         twin.notes = set(self.notes)
-        twin.summary = copy.deepcopy(self.summary)
+        twin.state = dict(self.state)  # summaries and state are replaced on update, never written in place
         return twin
 
 

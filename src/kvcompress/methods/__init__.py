@@ -12,12 +12,13 @@ from .adakv import AdaKV
 from .base import Method, Needs, ScoreMethod
 from .full import Full
 from .h2o import H2O
+from .momentkv import MomentKV
 from .pyramidkv import PyramidKV
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV)
+    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV)
 }
 
 

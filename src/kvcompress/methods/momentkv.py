@@ -1,0 +1,200 @@
+"""MomentKV (seeds/000: "MomentKV: Closing the Directional Gap in KV Cache Eviction").
+
+Evicted entries are not forgotten: each KV head keeps four running sums of what left —
+count m, key sum, value sum and value-key outer-product sum, in float32 (METHODS.md,
+"MomentKV", eq. 25). At query time they give a first-order estimate of the evicted
+sub-output ô_E(q) = μ_v + τ·C·q (eq. 9) and a Jensen estimate of its log partition function
+log Ẑ_E = log m + τ·qᵀμ_k (eq. 11), merged with the retained attention through
+log-sum-exp (eq. 12, 37): the normalization-corrected output. Eviction is moment-informed:
+entry i scores a_i·‖r_i‖ with the moment residual r_i = v_i − ô_E(k_i) (eq. 10), so entries
+the moments already explain leave first. Prefill eviction runs in rounds so residuals see
+the moments; decoding evicts back to the budget when the cache overflows by ``slack``.
+
+Defaults follow the paper's protocol: SnapKV scores over a 32-query window, the first
+token kept as a sink, chunks of 4, Ada-KV head-wise budgets. Ablations are options:
+``correction=False`` (MI only), ``moment_eviction=False`` (NC only), ``order=0`` (ô_E = μ_v),
+``centred_residual=True`` (r_i = v_i − μ_v − τ·C·(k_i − μ_k)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .adakv import AdaKV
+from .base import adaptive_head_budgets, chunk_average, priority, recent_mask, sink_mask, top_per_head
+
+MOMENTS = "moments"
+
+
+@dataclass
+class Moments:
+    """Running sums over the evicted entries of each (batch row, KV head), float32 (eq. 25).
+
+    count [B, H], key_sum [B, H, d], value_sum [B, H, d], value_key_sum [B, H, d, d]: per head
+    d² + 2d + 1 floats whatever the context length. Updates replace tensors (never in place),
+    so clones of a cache may share them.
+    """
+
+    count: torch.Tensor
+    key_sum: torch.Tensor
+    value_sum: torch.Tensor
+    value_key_sum: torch.Tensor
+    order: int = 1
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, dim: int, device, order: int = 1) -> Moments:
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(zeros(batch, heads), zeros(batch, heads, dim), zeros(batch, heads, dim), zeros(batch, heads, dim, dim), order)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> Moments:
+        """Fold the entries marked in ``evicted`` [B, H, L] of keys/values [B, H, L, d] into the sums."""
+        weight = evicted.float()
+        k = keys.float() * weight[..., None]
+        v = values.float() * weight[..., None]
+        return Moments(
+            count=self.count + weight.sum(-1),
+            key_sum=self.key_sum + k.sum(2),
+            value_sum=self.value_sum + v.sum(2),
+            value_key_sum=self.value_key_sum + torch.einsum("bhld,bhle->bhde", v, k),
+            order=self.order,
+        )
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """μ_k, μ_v [B, H, d] and C = S_vk/m − μ_v μ_kᵀ [B, H, d, d] (eq. 24); zeros where m = 0."""
+        m = self.count.clamp(min=1.0)
+        mu_k = self.key_sum / m[..., None]
+        mu_v = self.value_sum / m[..., None]
+        cov = self.value_key_sum / m[..., None, None] - mu_v[..., :, None] * mu_k[..., None, :]
+        return mu_k, mu_v, cov
+
+    def evicted_output(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
+        """ô_E(x) = μ_v + τ·C·x (eq. 9; order 0: μ_v) for x [B, H, ..., d]."""
+        _, mu_v, cov = self.means()
+        extra = x.dim() - 3
+        mu_v = mu_v.view(*mu_v.shape[:2], *([1] * extra), mu_v.shape[-1])
+        if self.order == 0:
+            return mu_v.expand_as(x)
+        cov = cov.view(*cov.shape[:2], *([1] * extra), *cov.shape[-2:])
+        return mu_v + scaling * (cov @ x.float().unsqueeze(-1)).squeeze(-1)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summary term for grouped queries [B, H, G, q, d]: (ô_E(q), log Ẑ_E = log m + τ·qᵀμ_k) (eq. 9, 11)."""
+        mu_k, _, _ = self.means()
+        out = self.evicted_output(query.float(), scaling)
+        log_z = torch.log(self.count)[..., None, None] + scaling * torch.einsum("bhgqd,bhd->bhgq", query.float(), mu_k)
+        log_z = torch.where(self.count[..., None, None] > 0, log_z, torch.full_like(log_z, float("-inf")))
+        return out, log_z
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.count, self.key_sum, self.value_sum, self.value_key_sum))
+
+
+@dataclass
+class MomentKV(AdaKV):
+    """Moment-informed eviction + normalization-corrected attention (see the module docstring).
+
+    Options: rounds (prefill eviction rounds, 4), correction (merge the moments into
+    attention), moment_eviction (score a_i·‖r_i‖ instead of a_i), order (1 or 0),
+    centred_residual, decode_eviction (evict while decoding), slack (decoding overflow
+    before evicting back to the budget, 32), plus SnapKV/Ada-KV options.
+    """
+
+    sinks: int = 1
+    chunk_size: int = 4
+    rounds: int = 4
+    correction: bool = True
+    moment_eviction: bool = True
+    order: int = 1
+    centred_residual: bool = False
+    decode_eviction: bool = True
+    slack: int = 32
+
+    name: ClassVar[str] = "momentkv"
+    paper: ClassVar[str] = "MomentKV: Closing the Directional Gap in KV Cache Eviction (seeds/000)"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rounds < 1 or self.slack < 0 or self.order not in (0, 1):
+            raise ValueError("rounds must be ≥ 1, slack ≥ 0 and order 0 or 1")
+
+    @property
+    def wants_decode_probs(self) -> bool:  # type: ignore[override]
+        return self.decode_eviction
+
+    # ----- scoring --------------------------------------------------------------------------
+    def residual_norms(self, layer, moments: Moments, scaling: float) -> torch.Tensor:
+        """‖r_i‖ for every held entry [B, H, L] (eq. 10, or its centred variant)."""
+        view = layer.padded_view()
+        keys, values = view.keys.float(), view.values.float()
+        if self.centred_residual:
+            mu_k, mu_v, cov = moments.means()
+            predicted = mu_v[:, :, None] + scaling * ((keys - mu_k[:, :, None]) @ cov.transpose(-1, -2))
+        else:
+            predicted = moments.evicted_output(keys, scaling)
+        return (values - predicted).norm(dim=-1)
+
+    def eviction_key(self, layer, attention: torch.Tensor, moments: Moments, protected, scaling) -> torch.Tensor:
+        """Ranking key: a_i·‖r_i‖ (a_i alone while nothing has been evicted), chunk-averaged, protected first."""
+        view = layer.padded_view()
+        score = attention
+        if self.moment_eviction:
+            has_moments = (moments.count > 0)[..., None]
+            score = torch.where(has_moments, attention * self.residual_norms(layer, moments, scaling), attention)
+        return priority(chunk_average(score, view.valid, self.chunk_size), protected, view.positions, view.valid)
+
+    # ----- prefill --------------------------------------------------------------------------
+    def compress(self, layer, context) -> None:
+        view = layer.padded_view()
+        budgets = self.layer_budget(layer, context)
+        attention = self.score(layer, context)
+        protected = self.protected(layer, budgets)
+        first_key = priority(chunk_average(attention, view.valid, self.chunk_size), protected, view.positions, view.valid)
+        if self.head_budgets == "adaptive":
+            per_head = adaptive_head_budgets(first_key, budgets, self.alpha, layer.head_lengths())
+        else:
+            per_head = torch.minimum(budgets[:, None].expand(-1, layer.num_kv_heads), layer.head_lengths())
+        moments = layer.state.get(MOMENTS) or Moments.empty(layer.batch_size, layer.num_kv_heads, layer.head_dim, view.keys.device, self.order)
+        lengths = layer.head_lengths()
+        keep = torch.ones_like(protected) if view.valid is None else view.valid.clone()
+        for round_ in range(1, self.rounds + 1):
+            target = lengths - torch.ceil((lengths - per_head).double() * round_ / self.rounds).long()
+            key = self.eviction_key(layer, attention, moments, protected, context.scaling).masked_fill(~keep, float("-inf"))
+            kept = top_per_head(key, target)
+            moments = moments.add(view.keys, view.values, keep & ~kept)
+            keep = kept
+        layer.retain(keep)
+        self._store(layer, moments)
+
+    def _store(self, layer, moments: Moments) -> None:
+        layer.state[MOMENTS] = moments
+        layer.summary = moments if self.correction else None
+
+    # ----- decoding -------------------------------------------------------------------------
+    def after_decode_step(self, layer, probs, context) -> None:
+        if not self.decode_eviction:
+            return
+        budgets = self.decode_budget(layer)
+        if not bool((layer.head_lengths() > budgets[:, None] + self.slack).any()):
+            return
+        view = layer.padded_view()
+        attention = probs.sum(dim=3).mean(dim=2)  # the current query's weights, mean over the group
+        recent = torch.full((layer.batch_size,), min(self.window, int(budgets.min())), dtype=torch.long)
+        protected = recent_mask(view.positions, view.valid, recent) | sink_mask(view.positions, view.valid, self.sinks)
+        moments = layer.state[MOMENTS]
+        key = self.eviction_key(layer, attention, moments, protected, context.scaling)
+        per_head = torch.minimum(budgets[:, None].expand(-1, layer.num_kv_heads), layer.head_lengths())
+        kept = top_per_head(key, per_head)
+        valid = view.valid if view.valid is not None else torch.ones_like(kept)
+        self._store(layer, moments.add(view.keys, view.values, valid & ~kept))
+        layer.retain(kept)
+
+
+def moment_floats_per_head(head_dim: int) -> int:
+    """d² + 2d + 1: the moments' size per KV head, independent of the context (METHODS.md)."""
+    return head_dim * head_dim + 2 * head_dim + 1
+
+
+__all__ = ["MomentKV", "Moments", "moment_floats_per_head"]

@@ -1,0 +1,139 @@
+"""MomentKV: running moments, the corrected read, moment-informed eviction, numerics."""
+
+import pytest
+import torch
+
+from common import kept_positions, random_layer
+from kvcompress import get_method
+from kvcompress.attention import attend_reference, read
+from kvcompress.cache import LayerCache
+from kvcompress.methods.momentkv import MOMENTS, Moments, moment_floats_per_head
+
+
+class _Module:
+    num_key_value_groups = 2
+    training = False
+    is_causal = True
+
+
+def _layer(keys, values, positions):
+    layer = LayerCache(0, keys.shape[1], keys.shape[-1])
+    layer.append(keys, values, positions)
+    return layer
+
+
+def test_moments_equal_sums_recomputed_from_the_evicted_tokens():
+    layer, context, _, _, _ = random_layer(batch=2, heads=2, group=2, length=80, window=8, seed=4)
+    keys, values = layer.padded_view().keys.clone(), layer.padded_view().values.clone()
+    get_method("momentkv", budget=20, window=8).compress(layer, context)
+    moments = layer.state[MOMENTS]
+    for b, row in enumerate(kept_positions(layer)):
+        for h, kept in enumerate(row):
+            gone = sorted(set(range(80)) - set(kept))
+            k, v = keys[b, h, gone].double(), values[b, h, gone].double()
+            assert moments.count[b, h] == len(gone)
+            assert torch.allclose(moments.key_sum[b, h].double(), k.sum(0), atol=1e-4)
+            assert torch.allclose(moments.value_sum[b, h].double(), v.sum(0), atol=1e-4)
+            assert torch.allclose(moments.value_key_sum[b, h].double(), v.T @ k, atol=1e-3)
+
+
+def test_corrected_read_is_exact_when_evicted_keys_are_identical():
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
+    keys[:, :, :12] = torch.randn(1, 2, 1, 16)  # the 12 entries to evict share one key per head
+    positions = torch.arange(30).expand(1, 30)
+    full = _layer(keys, values, positions)
+    part = _layer(keys[:, :, 12:], values[:, :, 12:], positions[:, 12:])
+    evicted = torch.zeros(1, 2, 30, dtype=torch.bool)
+    evicted[:, :, :12] = True
+    part.summary = Moments.empty(1, 2, 16, "cpu").add(keys, values, evicted)
+    query, qpos = torch.randn(1, 4, 1, 16), torch.tensor([[30]])
+    expected, _ = read(_Module(), full, query, qpos, 0.25)
+    out, _ = read(_Module(), part, query, qpos, 0.25)
+    assert torch.allclose(out, expected, atol=1e-5)
+    plain, _ = read(_Module(), _layer(keys[:, :, 12:], values[:, :, 12:], positions[:, 12:]), query, qpos, 0.25)
+    assert not torch.allclose(plain, expected, atol=1e-3)  # without the correction the output is off
+
+
+def test_nothing_evicted_reads_as_plain_attention():
+    layer, context, queries, _, _ = random_layer(length=40, window=8, seed=2)
+    reference = _layer(layer.padded_view().keys.clone(), layer.padded_view().values.clone(), torch.arange(40).expand(1, 40))
+    get_method("momentkv", ratio=1.0, window=8).compress(layer, context)
+    assert float(layer.state[MOMENTS].count.sum()) == 0
+    q, qpos = queries[:, :, -1:], torch.tensor([[40]])
+    assert torch.allclose(read(_Module(), layer, q, qpos, 0.3)[0], read(_Module(), reference, q, qpos, 0.3)[0], atol=1e-6)
+
+
+def test_log_domain_mix_matches_float64_closed_form():
+    torch.manual_seed(5)
+    keys, values = torch.randn(1, 1, 20, 8), torch.randn(1, 1, 20, 8)
+    evicted = torch.zeros(1, 1, 20, dtype=torch.bool)
+    evicted[..., :9] = True
+    moments = Moments.empty(1, 1, 8, "cpu").add(keys, values, evicted)
+    query = torch.randn(1, 1, 1, 1, 8) * 3
+    retained_k, retained_v = keys[:, :, 9:], values[:, :, 9:]
+    out, _, _ = attend_reference(query, retained_k, retained_v, 0.4, query_positions=torch.tensor([[99]]),
+                                 key_positions=torch.arange(9, 20).expand(1, 1, 11), summary=moments)
+    # closed form in float64 (eq. 9, 11, 12)
+    q, k, v = query.double().view(8), keys.double()[0, 0], values.double()[0, 0]
+    logits_r = 0.4 * k[9:] @ q
+    o_r = torch.softmax(logits_r, 0) @ v[9:]
+    lse_r = torch.logsumexp(logits_r, 0)
+    mu_k, mu_v = k[:9].mean(0), v[:9].mean(0)
+    cov = (v[:9].T @ k[:9]) / 9 - torch.outer(mu_v, mu_k)
+    o_e = mu_v + 0.4 * cov @ q
+    log_z = torch.log(torch.tensor(9.0, dtype=torch.float64)) + 0.4 * q @ mu_k
+    alpha = torch.sigmoid(lse_r - log_z)
+    expected = alpha * o_r + (1 - alpha) * o_e
+    assert torch.allclose(out.double().view(8), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_no_nan_or_inf_with_huge_logits_in_half_precision(dtype):
+    torch.manual_seed(6)
+    keys = (torch.randn(1, 2, 40, 16) * 100).to(dtype)  # logits reach ±1e4
+    values = torch.randn(1, 2, 40, 16).to(dtype)
+    layer = _layer(keys, values, torch.arange(40).expand(1, 40))
+    layer.observations["window_queries"] = (torch.randn(1, 4, 8, 16) * 100).to(dtype)
+    layer.observations["window_positions"] = torch.arange(32, 40).expand(1, 8)
+    from kvcompress.cache import LayerContext
+
+    get_method("momentkv", budget=12, window=8).compress(layer, LayerContext(0, 1, None, 0.25))
+    out, _ = read(_Module(), layer, (torch.randn(1, 4, 1, 16) * 100).to(dtype), torch.tensor([[40]]), 0.25)
+    assert torch.isfinite(out).all() and out.dtype == dtype
+    assert torch.isfinite(layer.state[MOMENTS].value_key_sum).all()
+
+
+def test_moment_overhead_is_counted_in_bytes_held():
+    layer, context, _, _, _ = random_layer(batch=1, heads=2, length=64, window=8, seed=3)
+    get_method("momentkv", budget=16, window=8).compress(layer, context)
+    entries = layer.num_entries * (2 * 8 * 4 + 4) + 2 * 8  # keys, values, positions; head lengths
+    assert layer.nbytes() == entries + 2 * moment_floats_per_head(8) * 4
+
+
+def test_ablations_change_what_they_should():
+    layer, context, _, _, _ = random_layer(length=96, window=8, seed=8)
+    mi_only, nc_only, default = (layer.clone() for _ in range(3))
+    get_method("momentkv", budget=24, window=8, correction=False).compress(mi_only, context)
+    get_method("momentkv", budget=24, window=8, moment_eviction=False).compress(nc_only, context)
+    get_method("momentkv", budget=24, window=8).compress(default, context)
+    assert mi_only.summary is None and MOMENTS in mi_only.state
+    assert nc_only.summary is not None
+    assert kept_positions(mi_only) == kept_positions(default)  # same eviction rule
+    assert kept_positions(nc_only) != kept_positions(default)  # attention-only eviction keeps other entries
+    adakv = layer.clone()
+    get_method("adakv", budget=24, window=8, sinks=1, chunk_size=4).compress(adakv, context)
+    assert kept_positions(nc_only) == kept_positions(adakv)  # NC only = Ada-KV's keep set + the correction
+
+
+def test_decoding_evicts_back_to_budget_after_slack_and_updates_moments():
+    layer, context, _, _, _ = random_layer(length=40, window=8, seed=9)
+    method = get_method("momentkv", budget=16, window=8, slack=4)
+    method.compress(layer, context)
+    for step in range(40, 70):
+        layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[step]]))
+        length = layer.padded_view().keys.shape[2]
+        method.after_decode_step(layer, torch.softmax(torch.randn(1, 2, 2, 1, length), -1), context)
+        assert int(layer.head_lengths().max()) <= 16 + 4
+    count = layer.state[MOMENTS].count
+    assert torch.equal(count + layer.head_lengths().float(), torch.full_like(count, 70.0))
