@@ -133,3 +133,17 @@ def test_layer_append_and_retain_keep_ragged_segments_aligned():
     assert view.positions[0, 1, :4].tolist() == [1, 2, 4, 5]
     assert torch.equal(view.keys[0, 1, 2], keys[0, 1, 4]) and torch.equal(view.values[1, 0, 1], torch.full((4,), -7.0))
     assert view.valid[0, 0].tolist() == [True, True, True, False, False, False]
+
+
+def test_hidden_stats_are_the_attention_input_moments_without_padding():
+    model = tiny_model()
+    cache = CompressedCache(model, hidden_stats=True, compress_on_prefill=False)
+    ids = torch.randint(3, 128, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :5] = 0
+    model(ids, attention_mask=mask, past_key_values=cache)
+    hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+    obs = cache.layers[0].observations
+    assert torch.allclose(obs["hidden_mean"][0], hidden[0].mean(0), atol=1e-5)
+    assert torch.allclose(obs["hidden_mean"][1], hidden[1, 5:].mean(0), atol=1e-5)
+    assert torch.allclose(obs["hidden_std"][1], hidden[1, 5:].std(0, unbiased=False), atol=1e-5)

@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import attention
-from .models import attention_modules, model_facts
+from .models import attention_modules, model_facts, rotary_embedding
 
 if TYPE_CHECKING:
     from .methods.base import Method
@@ -54,12 +54,20 @@ class PaddedView:
 
 @dataclass
 class LayerContext:
-    """What a method may know about the layer it compresses."""
+    """What a method may know about the layer it compresses or decodes.
+
+    ``module`` is the layer's attention module (q_proj, q-norm live there), ``rotary`` the
+    model's rotary embedding; while decoding, ``query`` [B, Hq, q, d] (after RoPE) and
+    ``query_positions`` [B, q] are the step's queries (KeepKV merges against them).
+    """
 
     layer_idx: int
     num_layers: int
-    module: torch.nn.Module
+    module: torch.nn.Module | None
     scaling: float
+    rotary: torch.nn.Module | None = None
+    query: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
 
 
 class LayerCache(CacheLayerMixin):
@@ -299,6 +307,7 @@ class CompressedCache(Cache):
             compress it) so that ``fork`` can compress copies with several methods.
         observation_window: prefill queries to keep for scoring (default: what the method needs).
         attention_sums: accumulate every prefill query's attention per entry (H2O scores).
+        hidden_stats: keep the per-channel mean and std of each layer's attention input (GVote).
     """
 
     def __init__(
@@ -309,12 +318,14 @@ class CompressedCache(Cache):
         compress_on_prefill: bool = True,
         observation_window: int | None = None,
         attention_sums: bool | None = None,
+        hidden_stats: bool | None = None,
     ):
         from .methods import get_method
 
         self.method = method if method is not None else get_method("full")
         facts = model_facts(model)
         self._modules = attention_modules(model)
+        self._rotary = rotary_embedding(model)
         use_kvcompress_attention(model)
         self._config = model.config
         layers = [LayerCache(i, facts.num_kv_heads, facts.head_dim) for i in range(facts.num_layers)]
@@ -324,6 +335,9 @@ class CompressedCache(Cache):
         needs = self.method.needs()
         self.observation_window = needs.window if observation_window is None else observation_window
         self.attention_sums = needs.attention_sums if attention_sums is None else attention_sums
+        self.hidden_stats = needs.hidden_stats if hidden_stats is None else hidden_stats
+        if self.hidden_stats:
+            watch_attention_inputs(self._modules)
         self.timings: dict[str, float] = {"compress_s": 0.0}
         self.recorder: dict[int, tuple] | None = None  # set to {} to record each layer's next step
         self.merge_error: float | None = None  # methods with a reference query report its error here
@@ -362,7 +376,7 @@ class CompressedCache(Cache):
         if position_ids is None:
             position_ids = torch.arange(layer.seen, layer.seen + q, device=query.device).expand(batch, q)
         position_ids = position_ids.expand(batch, q)
-        context = LayerContext(layer_idx, self.num_layers, module, scaling)
+        context = LayerContext(layer_idx, self.num_layers, module, scaling, self._rotary, query, position_ids)
         if layer.seen == 0:
             return self._prefill(layer, context, query, key, value, mask, position_ids)
         layer.append(key, value, position_ids)
@@ -389,6 +403,9 @@ class CompressedCache(Cache):
             layer.observations["window_positions"] = position_ids[:, -w:]
         if self.attention_sums:
             layer.observations["entry:attention_sums"] = _attention_sums(layer, query, position_ids, token_valid, scaling)
+        if self.hidden_stats:
+            mean, std = self._modules[layer.layer_idx].__dict__.pop("_kvcompress_hidden_stats")
+            layer.observations["hidden_mean"], layer.observations["hidden_std"] = mean, std
 
     def _compress_layer(self, layer: LayerCache, context: LayerContext) -> None:
         import time
@@ -404,10 +421,15 @@ class CompressedCache(Cache):
         if self.compress_on_prefill:
             raise ValueError("fork() needs a cache built with compress_on_prefill=False.")
         needs = method.needs()
-        if needs.window > self.observation_window or (needs.attention_sums and not self.attention_sums):
+        missing = (
+            needs.window > self.observation_window
+            or (needs.attention_sums and not self.attention_sums)
+            or (needs.hidden_stats and not self.hidden_stats)
+        )
+        if missing:
             raise ValueError(
-                f"{method.name} needs observation_window>={needs.window} and attention_sums={needs.attention_sums}; "
-                "build the shared prefill cache with those settings."
+                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums} and "
+                f"hidden_stats={needs.hidden_stats}; build the shared prefill cache with those settings."
             )
         twin = copy.copy(self)
         twin.layers = [layer.clone() for layer in self.layers]
@@ -417,7 +439,8 @@ class CompressedCache(Cache):
         twin.recorder = None
         twin.merge_error = None
         for layer in twin.layers:
-            twin._compress_layer(layer, LayerContext(layer.layer_idx, self.num_layers, self._modules[layer.layer_idx], self._scaling(layer)))
+            module = self._modules[layer.layer_idx]
+            twin._compress_layer(layer, LayerContext(layer.layer_idx, self.num_layers, module, self._scaling(layer), self._rotary))
         return twin
 
     def _scaling(self, layer: LayerCache) -> float:
@@ -448,6 +471,30 @@ class CompressedCache(Cache):
             "entries_full": full_entries,
             "notes": notes,
         }
+
+
+def watch_attention_inputs(modules) -> None:
+    """Hook each attention module once to record the per-channel mean and std of its input at prefill.
+
+    GVote samples future queries from N(mean, std²) of the layer's attention-input hidden
+    states (after the input norm); padding tokens are left out of the statistics.
+    """
+    for module in modules:
+        if getattr(module, "_kvcompress_input_hook", None) is None:
+            module._kvcompress_input_hook = module.register_forward_pre_hook(_record_input_stats, with_kwargs=True)
+
+
+def _record_input_stats(module, args, kwargs):
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if hidden is None or hidden.shape[1] < 2:  # decoding steps: nothing to record
+        return None
+    valid = _token_valid_from_mask(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
+    weight = torch.ones(hidden.shape[:2], device=hidden.device) if valid is None else valid.float()
+    count = weight.sum(1, keepdim=True).clamp(min=1)[..., None]  # [B, 1, 1]
+    mean = (hidden.float() * weight[..., None]).sum(1, keepdim=True) / count
+    var = (((hidden.float() - mean) ** 2) * weight[..., None]).sum(1, keepdim=True) / count
+    module._kvcompress_hidden_stats = (mean[:, 0], var[:, 0].sqrt())  # [B, hidden] each
+    return None
 
 
 def _attention_sums(layer, query, position_ids, token_valid, scaling, chunk: int = 256) -> torch.Tensor:

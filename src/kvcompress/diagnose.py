@@ -45,7 +45,8 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
     needs = [m.needs() for m in methods]
     shared = CompressedCache(model, compress_on_prefill=False,
                              observation_window=max([n.window for n in needs], default=0),
-                             attention_sums=any(n.attention_sums for n in needs))
+                             attention_sums=any(n.attention_sums for n in needs),
+                             hidden_stats=any(n.hidden_stats for n in needs))
     model(context, past_key_values=shared, use_cache=True, logits_to_keep=1)
 
     full = shared.fork(shared.method)

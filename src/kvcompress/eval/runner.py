@@ -125,6 +125,7 @@ def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], settings: 
     shared = CompressedCache(
         model, compress_on_prefill=False,
         observation_window=max(n.window for n in needs), attention_sums=any(n.attention_sums for n in needs),
+        hidden_stats=any(n.hidden_stats for n in needs),
     )
     logits, wall = prefill(model, shared, prompt, qa)
     outputs = []

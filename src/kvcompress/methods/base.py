@@ -26,10 +26,12 @@ PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank b
 
 @dataclass(frozen=True)
 class Needs:
-    """What a method reads from the prefill: the last ``window`` queries, per-entry attention sums."""
+    """What a method reads from the prefill: the last ``window`` queries, per-entry attention sums,
+    the attention input's per-channel mean and std (``hidden_stats``)."""
 
     window: int = 0
     attention_sums: bool = False
+    hidden_stats: bool = False
 
 
 @dataclass
