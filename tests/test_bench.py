@@ -11,8 +11,9 @@ def test_bench_rows_and_ratios():
     model = tiny_model()
     methods = [get_method("full"), get_method("snapkv", budget=16), get_method("h2o", budget=16)]
     rows = bench(model, None, methods, context_tokens=96, batch_size=2, decode_tokens=4, progress=False)
-    assert [r["method"] for r in rows] == ["full", "snapkv", "h2o"]
-    full, snap, h2o = rows
+    assert [r["method"] for r in rows] == ["hf_dynamic_cache", "full", "snapkv", "h2o"]
+    plain, full, snap, h2o = rows
+    assert plain["kv_bytes"] == full["kv_bytes_full"]  # the same keys and values as transformers holds
     assert full["kv_bytes_vs_full"] == 1.0 and full["decode_ms_per_token_vs_full"] == 1.0
     assert snap["kv_bytes"] < full["kv_bytes"] / 4
     assert snap["kv_bytes_full"] == full["kv_bytes_full"] == 2 * 2 * 96 * 2 * 2 * 16 * 4

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from transformers import DynamicCache
+
 from .cache import CompressedCache
 from .methods import Method
 
@@ -65,12 +67,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _PlainCache(DynamicCache):
+    """transformers' own DynamicCache with the stats bench reads: the overhead baseline for ``full``."""
+
+    timings = {"compress_s": 0.0}
+
+    def stats(self) -> dict:
+        held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers)
+        return {"kv_bytes": held, "kv_bytes_full": held, "kr": 1.0, "cr": 1.0}
+
+
 @torch.inference_mode()
-def bench_one(model, method: Method, input_ids: torch.Tensor, decode_tokens: int) -> dict:
-    """Prefill ``input_ids`` [B, n], compress, decode ``decode_tokens`` greedy steps; timings and memory."""
+def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_tokens: int) -> dict:
+    """Prefill ``input_ids`` [B, n], compress, decode ``decode_tokens`` greedy steps; timings and memory.
+
+    ``method=None`` runs transformers' plain DynamicCache (row ``hf_dynamic_cache``).
+    """
     device = input_ids.device
     with peak_memory(device) as memory:
-        cache = CompressedCache(model, method)
+        cache = CompressedCache(model, method) if method is not None else _PlainCache()
         _sync(device)
         start = time.perf_counter()
         logits = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -85,7 +100,9 @@ def bench_one(model, method: Method, input_ids: torch.Tensor, decode_tokens: int
         _sync(device)
         decode_wall = time.perf_counter() - start
     return {
-        "method": method.name, "budget": method.budget, "ratio": method.ratio,
+        "method": method.name if method else "hf_dynamic_cache",
+        "budget": method.budget if method else None,
+        "ratio": method.ratio if method else None,
         "prefill_s": prefill_wall - cache.timings["compress_s"],
         "compress_s": cache.timings["compress_s"],
         "decode_ms_per_token": 1000 * decode_wall / max(decode_tokens, 1),
@@ -97,7 +114,8 @@ def bench_one(model, method: Method, input_ids: torch.Tensor, decode_tokens: int
 
 def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch_size: int = 1,
           decode_tokens: int = 32, repeats: int = 1, seed: int = 0, progress: bool = True) -> list[dict]:
-    """One row per method (``full`` first), with ratios to ``full`` from the same run.
+    """One row per method (after transformers' plain DynamicCache as ``hf_dynamic_cache``), with
+    ratios to ``full`` from the same run.
 
     The input is random token ids (the speed of attention does not depend on the text).
     Each configuration runs once to warm up, then ``repeats`` times; the median is kept.
@@ -110,7 +128,7 @@ def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch
     low = min(100, vocab // 2)  # skip the special tokens at the start of most vocabularies
     ids = torch.randint(low, vocab, (batch_size, context_tokens), generator=generator).to(model.device)
     rows = []
-    for method in tqdm(methods, desc=f"bench {context_tokens} tokens", disable=not progress):
+    for method in tqdm([None, *methods], desc=f"bench {context_tokens} tokens", disable=not progress):
         bench_one(model, method, ids[:, : min(256, context_tokens)], 2)  # warm-up
         runs = [bench_one(model, method, ids, decode_tokens) for _ in range(repeats)]
         row = {}

@@ -65,7 +65,7 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
         kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(full_logits, -1), log_target=True, reduction="batchmean")
         nll = F.cross_entropy(logits, targets)
         rows.append({
-            "method": method.name, "budget": method.budget, "ratio": method.ratio,
+            "method": method.name, "budget": method.budget, "ratio": method.ratio, "label": method.label,
             "kr": stats["kr"], "cr": stats["cr"],
             "rel_error_per_layer": errors, "rel_error": sum(errors) / len(errors),
             "kl": float(kl), "ppl_ratio": float(torch.exp(nll - full_nll)),
@@ -89,11 +89,10 @@ def layer_errors(model, compressed: CompressedCache, reference: dict[int, tuple]
 
 def diagnose_markdown(rows: list[dict], title: str) -> str:
     """A table of the scalar metrics, one line per method × size."""
-    lines = [f"# {title}", "", "| method | size | kr | rel_error | kl | ppl_ratio | rel_error_at_merge |", "|---|---|---|---|---|---|---|"]
+    lines = [f"# {title}", "", "| method | kr | rel_error | kl | ppl_ratio | rel_error_at_merge |", "|---|---|---|---|---|---|"]
     for r in rows:
-        size = r["budget"] if r["budget"] is not None else (f"{r['ratio']:g}" if r["ratio"] is not None else "—")
         merge = "" if r["rel_error_at_merge"] is None else f"{r['rel_error_at_merge']:.2e}"
-        lines.append(f"| {r['method']} | {size} | {r['kr']:.3f} | {r['rel_error']:.4f} | {r['kl']:.4f} | {r['ppl_ratio']:.3f} | {merge} |")
+        lines.append(f"| {r['label']} | {r['kr']:.3f} | {r['rel_error']:.4f} | {r['kl']:.4f} | {r['ppl_ratio']:.3f} | {merge} |")
     lines += ["", "rel_error: mean over layers of ‖o − o_full‖/‖o_full‖ over the continuation (each layer fed the full "
               "run's queries); kl: mean next-token KL(full ‖ method); ppl_ratio: continuation perplexity ÷ full's."]
     return "\n".join(lines) + "\n"
@@ -107,8 +106,7 @@ def plot_layer_errors(rows: list[dict], path, title: str) -> None:
     for r in rows:
         if r["method"] == "full":
             continue
-        size = r["budget"] if r["budget"] is not None else f"{r['ratio']:g}"
-        ax.plot(range(len(r["rel_error_per_layer"])), r["rel_error_per_layer"], marker=".", label=f"{r['method']}@{size}")
+        ax.plot(range(len(r["rel_error_per_layer"])), r["rel_error_per_layer"], marker=".", label=r["label"])
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("relative attention-output error")

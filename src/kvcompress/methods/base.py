@@ -62,14 +62,18 @@ class Method:
 
     @property
     def label(self) -> str:
-        """``name@budget`` or ``name@ratio`` for tables."""
-        if self.budget is not None:
-            return f"{self.name}@{self.budget}"
-        return f"{self.name}@{self.ratio:g}" if self.ratio is not None else self.name
+        """``name@budget`` or ``name@ratio`` for tables, then any option changed from its default."""
+        size = f"@{self.budget}" if self.budget is not None else (f"@{self.ratio:g}" if self.ratio is not None else "")
+        changed = self.changed_options()
+        return self.name + size + (f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else "")
 
-    def options(self) -> dict:
-        """The method's hyperparameters (dataclass fields) as a dict."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def changed_options(self) -> dict:
+        """Hyperparameters that differ from the method's defaults (budget and ratio aside)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("budget", "ratio") and getattr(self, f.name) != f.default
+        }
 
     def needs(self) -> Needs:
         return Needs()
