@@ -101,7 +101,7 @@ def _out_dir(args) -> Path:
 
 def cmd_eval(args) -> int:
     """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png."""
-    from .eval.report import eval_markdown, plot_accuracy_vs_kr, write_json, write_jsonl
+    from .eval.report import eval_markdown, plot_accuracy_vs_kr, write_jsonl
     from .eval.runner import EvalSettings, prediction_record, run_eval
 
     budgets, ratios = _sizes(args)
@@ -114,23 +114,34 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model(args.model)
     rows, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet)
     out = _out_dir(args)
-    model_name = args.model or "smollm2-135m-instruct"
-    write_json(out / "results.json", rows, model=model_name, seed=args.seed, settings=vars(settings), wall_s=wall)
     write_jsonl(out / "predictions.jsonl", [prediction_record(p) for p in predictions])
     protocol = "query-aware" if settings.query_aware else "query-agnostic"
-    title = f"eval: {model_name}, {protocol}, {settings.context_tokens} context tokens"
-    markdown = eval_markdown(rows, title)
-    (out / "results.md").write_text(markdown)
-    plot_accuracy_vs_kr(rows, out / "accuracy_vs_kr.png", title)
-    print(markdown)
-    print(f"wall time {wall:.0f} s; results in {out}/ (results.json, results.md, predictions.jsonl); plot: {out / 'accuracy_vs_kr.png'}")
+    title = f"eval: {_model_name(args)}, {protocol}, {settings.context_tokens} context tokens"
+    _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
+            settings=vars(settings), wall_s=wall)
+    print(f"wall time {wall:.0f} s; predictions in {out / 'predictions.jsonl'}")
     return 0
+
+
+def _model_name(args) -> str:
+    return args.model or "smollm2-135m-instruct"
+
+
+def _report(args, out: Path, stem: str, rows: list[dict], markdown: str, plot: tuple, *, settings: dict, **extra) -> None:
+    """Write ``stem``.json (DESIGN.md schema) and ``stem``.md, draw the plot, print the table."""
+    from .eval.report import write_json
+
+    write_json(out / f"{stem}.json", rows, model=_model_name(args), seed=args.seed, settings=settings, **extra)
+    (out / f"{stem}.md").write_text(markdown)
+    draw, filename, title = plot
+    draw(rows, out / filename, title)
+    print(markdown)
+    print(f"results in {out}/ ({stem}.json, {stem}.md); plot: {out / filename}")
 
 
 def cmd_diagnose(args) -> int:
     """Fidelity on plain text → diagnose.json, diagnose.md, error_per_layer.png."""
     from .diagnose import diagnose, diagnose_markdown, plot_layer_errors
-    from .eval.report import write_json
 
     text = None
     if args.text:
@@ -142,17 +153,11 @@ def cmd_diagnose(args) -> int:
     model, tokenizer = load_model(args.model)
     rows = diagnose(model, tokenizer, methods, text=text, context_tokens=args.context_tokens,
                     continuation_tokens=args.continuation_tokens, progress=not args.quiet)
-    out = _out_dir(args)
     settings = {"methods": args.methods, "budgets": args.budgets, "ratios": args.ratios, "text": args.text or "built-in",
                 "context_tokens": args.context_tokens, "continuation_tokens": args.continuation_tokens}
-    model_name = args.model or "smollm2-135m-instruct"
-    write_json(out / "diagnose.json", rows, model=model_name, seed=args.seed, settings=settings)
-    title = f"diagnose: {model_name}, {args.context_tokens} context + {args.continuation_tokens} continuation tokens"
-    markdown = diagnose_markdown(rows, title)
-    (out / "diagnose.md").write_text(markdown)
-    plot_layer_errors(rows, out / "error_per_layer.png", title)
-    print(markdown)
-    print(f"results in {out}/ (diagnose.json, diagnose.md); plot: {out / 'error_per_layer.png'}")
+    title = f"diagnose: {_model_name(args)}, {args.context_tokens} context + {args.continuation_tokens} continuation tokens"
+    _report(args, _out_dir(args), "diagnose", rows, diagnose_markdown(rows, title),
+            (plot_layer_errors, "error_per_layer.png", title), settings=settings)
     return 0
 
 
@@ -169,7 +174,7 @@ def cmd_bench(args) -> int:
         rows += bench(model, tokenizer, methods, context_tokens=tokens, batch_size=args.batch_size,
                       decode_tokens=args.decode_tokens, repeats=args.repeats, seed=args.seed, progress=not args.quiet)
     settings = {k: getattr(args, k) for k in ("methods", "budgets", "ratios", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}
-    write_json(out / "bench.json", rows, model=args.model or "smollm2-135m-instruct", seed=args.seed, settings=settings,
+    write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
                device=str(model.device), threads=torch.get_num_threads())
     print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

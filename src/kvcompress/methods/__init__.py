@@ -11,6 +11,7 @@ from dataclasses import fields
 from .adakv import AdaKV
 from .base import Method, Needs, ScoreMethod
 from .full import Full
+from .gvote import GVote
 from .h2o import H2O
 from .momentkv import MomentKV
 from .pyramidkv import PyramidKV
@@ -18,7 +19,7 @@ from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV)
+    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote)
 }
 
 

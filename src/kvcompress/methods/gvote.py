@@ -1,0 +1,239 @@
+"""GVote (seeds/003: "Procrustes' bed" / GVote — adaptive KV-cache compression by Gaussian voting).
+
+No budget is given: the method decides how many entries each request and each KV head keeps
+(METHODS.md, "GVote"; Algorithm 1 and the appendix A listing of the paper):
+
+1. step budget: per query head, ``B_h`` = the smallest number of entries whose sorted
+   attention mass, under the last real context query ``q_0``, reaches ``p_nuc`` (listing:
+   ``sum(cumsum(sorted probs) < p_nuc) + 1``);
+2. ``μ, σ`` = per-channel mean and standard deviation of the layer's attention-input hidden
+   states over the prompt (after the input norm, padding excluded; recorded by the cache);
+3. ``S`` samples ``h̃ ~ N(μ, σ²)``, ``q̃ = W_q h̃`` (+ bias, + per-head q-norm where the model
+   has them), RoPE with cos/sin averaged over the next ``n_f`` positions;
+4. each sample and query head votes for its top-``B_h`` keys by logit; the union over the
+   samples and over the query heads of each GQA group is the keep-set of that KV head;
+5. the budget is the union's size: it differs per request and per head. It is recorded in
+   ``layer.state["gvote"]`` and shows in ``CompressedCache.stats()`` (``entries``, ``cr``,
+   ``kr``, ``entries_per_head``).
+
+Choices the paper leaves open (named options, see ``GVote``):
+
+* ``future`` (n_f): the paper gives no value; 32 = the eval's default answer length and the
+  observation window the other methods use. Averaging cos/sin over n_f positions damps the
+  fast-rotating RoPE channels of the sampled queries (a low-pass over the future's phases).
+* the future positions are ``last real position + 1 … + n_f`` of each row (the listing
+  uses ``seq_len …``; with left padding the row's own positions are the right ones).
+* RoPE is transformers' ``q·cos + rotate_half(q)·sin`` (the layout every supported
+  architecture uses; the listing's interleaved rotation belongs to another layout).
+* randomness: one generator per (seed, layer); sample ``s`` draws one standard normal vector
+  ``z_s`` shared by the rows of a batch (``h̃_b,s = μ_b + σ_b·z_s``), so a request gets the
+  same samples alone or in any batch, and the first S' samples do not depend on S (the
+  keep-set grows monotonically with S for a fixed seed).
+* the listing keeps no sinks or recent window: neither does this (the union is the keep-set).
+
+``moment_correction=True`` composes GVote's keep-set with MomentKV's normalization
+correction: the entries GVote drops are folded into MomentKV's running moments and merged
+into every read through log-sum-exp (seeds/000; ``layer.summary``). Their bytes count in kr.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from transformers.models.llama.modeling_llama import rotate_half
+
+from ..attention import attention_probs, group_queries
+from .base import Method, Needs
+
+STATE = "gvote"
+
+
+@dataclass(frozen=True)
+class GVoteAllocation:
+    """What GVote decided for one layer (CPU int64): ``step_budgets`` [B, Hq] (B_h per query
+    head from q_0) and ``kept`` [B, H] (the realized budget: the union's size per KV head).
+
+    Diagnostic metadata, not needed to attend (not counted in the layer's bytes)."""
+
+    step_budgets: torch.Tensor
+    kept: torch.Tensor
+
+
+# ----- the steps as plain functions (tested directly) --------------------------------------------
+def nucleus_budgets(probs: torch.Tensor, p_nuc: float, cap: torch.Tensor | None = None) -> torch.Tensor:
+    """Smallest number of entries whose sorted probability mass reaches ``p_nuc``: [...] int64 from probs [..., L].
+
+    ``cap`` (broadcastable to the result) bounds the count by the entries really there (rounding
+    can leave a cumulative sum just under ``p_nuc = 1``). Always at least 1.
+    """
+    ordered = probs.double().sort(dim=-1, descending=True).values
+    budgets = (ordered.cumsum(dim=-1) < p_nuc).sum(dim=-1) + 1
+    if cap is not None:
+        budgets = torch.minimum(budgets, cap.to(budgets.device))
+    return budgets.clamp(min=1)
+
+
+def sample_hidden(mean: torch.Tensor, std: torch.Tensor, samples: int, generator: torch.Generator) -> torch.Tensor:
+    """``h̃`` [B, S, D] float32: ``μ_b + σ_b·z_s``, one z_s ~ N(0, I) per sample drawn in order from ``generator``.
+
+    Sample s is the same whatever S is and whatever else shares the batch.
+    """
+    noise = torch.stack([torch.randn(mean.shape[-1], generator=generator) for _ in range(samples)])  # [S, D]
+    noise = noise.to(mean.device)
+    return mean.float()[:, None, :] + std.float()[:, None, :] * noise[None]
+
+
+def project_queries(module: torch.nn.Module, hidden: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Pre-RoPE queries [B, Hq, S, d] float32 from hidden states [B, S, D]: ``q_proj`` (its bias included),
+    then the per-head ``q_norm`` where the module has one (Qwen3), as the attention module does."""
+    weight = module.q_proj.weight
+    q = module.q_proj(hidden.to(dtype=weight.dtype, device=weight.device))
+    q = q.view(*hidden.shape[:2], -1, head_dim)  # [B, S, Hq, d]
+    q_norm = getattr(module, "q_norm", None)
+    if q_norm is not None:
+        q = q_norm(q)
+    return q.transpose(1, 2).float()
+
+
+def averaged_rotary(rotary: torch.nn.Module, start: torch.Tensor, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, d] float32 averaged over positions ``start[b] … start[b] + count − 1`` (the model's own rotary)."""
+    positions = start.long().to(like.device)[:, None] + torch.arange(count, device=like.device)[None, :]
+    cos, sin = rotary(like.float(), positions)
+    return cos.float().mean(dim=1), sin.float().mean(dim=1)
+
+
+def apply_rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' RoPE, ``q·cos + rotate_half(q)·sin``, for q [B, Hq, S, d] and cos/sin [B, d]."""
+    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+    return q * cos + rotate_half(q) * sin
+
+
+def union_votes(logits: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+    """Keep mask [B, H, L] from vote logits [B, H, G, S, L] (-inf = not an entry) and budgets [B, H, G].
+
+    Every (query head, sample) votes for its ``budgets[b, h, g]`` highest logits; a KV head keeps
+    the union of its group's votes over all samples.
+    """
+    b, h, g, s, length = logits.shape
+    k = int(budgets.max()) if budgets.numel() else 0
+    if k == 0:
+        return torch.zeros(b, h, length, dtype=torch.bool, device=logits.device)
+    top = logits.topk(min(k, length), dim=-1).indices  # [B, H, G, S, k], best first
+    chosen = torch.arange(top.shape[-1], device=logits.device) < budgets.to(logits.device)[:, :, :, None, None]
+    chosen = chosen.expand(top.shape)
+    votes = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, chosen)
+    return (votes & torch.isfinite(logits)).any(dim=3).any(dim=2)
+
+
+def generator_for(seed: int, layer_idx: int) -> torch.Generator:
+    """A CPU generator seeded from (seed, layer): each layer draws its own samples, reproducibly."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + layer_idx) % (2**63))
+
+
+@dataclass
+class GVote(Method):
+    """Adaptive budgets by Gaussian-sampled future queries (see the module docstring).
+
+    Options:
+        p_nuc: nucleus mass that sets each query head's step budget from q_0 (0.95, the
+            paper's recommendation).
+        samples: S, sampled future queries per layer (8: the paper finds S ≥ 8 a good compromise).
+        future: n_f, future positions whose RoPE cos/sin are averaged (32; the paper gives none).
+        seed: seeds the samples (with the layer index); equal seeds give identical keep-sets.
+        moment_correction: keep MomentKV's moments of the dropped entries and merge them into
+            every read (composition with MomentKV's correction; off = the paper's GVote).
+
+    ``budget``/``ratio`` are refused: the method chooses its own budget.
+    """
+
+    p_nuc: float = 0.95
+    samples: int = 8
+    future: int = 32
+    seed: int = 0
+    moment_correction: bool = False
+
+    name: ClassVar[str] = "gvote"
+    paper: ClassVar[str] = "GVote: adaptive KV-cache compression by Gaussian-sampled query voting (seeds/003)"
+    needs_budget: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.budget is not None or self.ratio is not None:
+            raise ValueError(
+                "gvote chooses its own budget per request and KV head: do not give budget= or ratio= "
+                "(p_nuc and samples set how much it keeps)."
+            )
+        if not 0.0 < float(self.p_nuc) <= 1.0:
+            raise ValueError(f"p_nuc must be in (0, 1], got {self.p_nuc!r}")
+        if self.samples < 1 or self.future < 1:
+            raise ValueError(f"samples and future must be ≥ 1, got samples={self.samples}, future={self.future}")
+
+    def needs(self) -> Needs:
+        return Needs(window=1, hidden_stats=True)
+
+    # ----- the steps on a layer -------------------------------------------------------------
+    def step_budgets(self, layer, context) -> torch.Tensor:
+        """B_h per query head [B, H, G] (int64, on the keys' device) from the last real context query."""
+        view = layer.padded_view()
+        query = layer.observations["window_queries"][:, :, -1:]
+        position = layer.observations["window_positions"][:, -1:]
+        probs = attention_probs(group_queries(query, layer.num_kv_heads), view.keys, context.scaling, position, view.positions, view.valid)
+        cap = layer.head_lengths().to(probs.device)[:, :, None]
+        return nucleus_budgets(probs[:, :, :, 0], self.p_nuc, cap)
+
+    def sampled_queries(self, layer, context) -> torch.Tensor:
+        """The S sampled future queries [B, Hq, S, d] float32, after q-norm and averaged RoPE."""
+        module, rotary = context.module, context.rotary
+        if module is None or rotary is None or "hidden_mean" not in layer.observations:
+            raise ValueError(
+                "gvote needs the layer's attention module, the model's rotary embedding and the prefill's hidden "
+                "statistics: compress through CompressedCache (hidden_stats=True when sharing a prefill)."
+            )
+        obs = layer.observations
+        hidden = sample_hidden(obs["hidden_mean"], obs["hidden_std"], self.samples, generator_for(self.seed, context.layer_idx))
+        q = project_queries(module, hidden, layer.head_dim)
+        start = obs["window_positions"][:, -1] + 1
+        cos, sin = averaged_rotary(rotary, start, self.future, q)
+        return apply_rotary(q, cos, sin)
+
+    def keep_mask(self, layer, context) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keep [B, H, L] on the padded view, step budgets [B, H, G])."""
+        view = layer.padded_view()
+        budgets = self.step_budgets(layer, context)
+        queries = group_queries(self.sampled_queries(layer, context).to(view.keys.device), layer.num_kv_heads)
+        logits = torch.einsum("bhgsd,bhld->bhgsl", queries, view.keys.float()) * context.scaling
+        if view.valid is not None:
+            logits = logits.masked_fill(~view.valid[:, :, None, None, :], float("-inf"))
+        return union_votes(logits, budgets), budgets
+
+    def compress(self, layer, context) -> None:
+        keep, budgets = self.keep_mask(layer, context)
+        if self.moment_correction:
+            self._fold_dropped(layer, keep)
+        layer.retain(keep)
+        layer.state[STATE] = GVoteAllocation(step_budgets=budgets.reshape(layer.batch_size, -1).cpu(), kept=layer.head_lengths().clone())
+        layer.notes.add("gvote: budget chosen per request and KV head (see entries_per_head)")
+
+    def _fold_dropped(self, layer, keep: torch.Tensor) -> None:
+        from .momentkv import MOMENTS, Moments
+
+        view = layer.padded_view()
+        valid = torch.ones_like(keep) if view.valid is None else view.valid
+        moments = Moments.empty(layer.batch_size, layer.num_kv_heads, layer.head_dim, view.keys.device)
+        moments = moments.add(view.keys, view.values, valid & ~keep)
+        layer.state[MOMENTS] = moments
+        layer.summary = moments
+
+
+__all__ = [
+    "GVote",
+    "GVoteAllocation",
+    "apply_rotary",
+    "averaged_rotary",
+    "generator_for",
+    "nucleus_budgets",
+    "project_queries",
+    "sample_hidden",
+    "union_votes",
+]
