@@ -6,8 +6,9 @@ import torch
 from common import tiny_model
 from kvcompress import CompressedCache, available_methods, get_method
 from kvcompress.cache import LayerCache
+from kvcompress.methods import REGISTRY
 
-METHODS = [m for m in available_methods() if m != "full"]
+METHODS = [m for m in available_methods() if REGISTRY[m].needs_budget]  # full and adaptive ones (gvote) take no size
 
 
 def _generate(model, ids, cache=None, mask=None, new=8):

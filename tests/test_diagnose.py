@@ -4,6 +4,7 @@ import pytest
 
 from kvcompress import available_methods, get_method
 from kvcompress.diagnose import diagnose
+from kvcompress.methods import REGISTRY
 
 pytestmark = pytest.mark.slow
 
@@ -11,7 +12,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def rows(embedded):
     model, tokenizer = embedded
-    methods = [get_method(name, ratio=1.0) for name in available_methods() if name != "full"]
+    methods = [get_method(name, ratio=1.0) for name in available_methods() if REGISTRY[name].needs_budget]
     methods += [get_method("snapkv", budget=b) for b in (32, 96, 256)]
     return diagnose(model, tokenizer, methods, context_tokens=384, continuation_tokens=24, progress=False)
 

@@ -413,6 +413,9 @@ class CompressedCache(Cache):
         start = time.perf_counter()
         self.method.compress(layer, context)
         layer.observations = {}
+        errors = [other.state["merge_error"] for other in self.layers if "merge_error" in other.state]
+        if errors:  # methods with a reference query (KeepKV, CaM, D2O): its error right after compression
+            self.merge_error = sum(errors) / len(errors)
         self.timings["compress_s"] += time.perf_counter() - start
 
     # ----- prefill once, compress many ----------------------------------------------------
@@ -461,6 +464,7 @@ class CompressedCache(Cache):
         held = self.kv_bytes()
         entries = sum(layer.num_entries for layer in self.layers)
         full_entries = sum(layer.full_entries() for layer in self.layers)
+        heads = sum(layer.batch_size * layer.num_kv_heads for layer in self.layers)
         notes = sorted(set().union(*(layer.notes for layer in self.layers)))
         return {
             "kr": held / full if full else 1.0,
@@ -469,6 +473,7 @@ class CompressedCache(Cache):
             "kv_bytes_full": full,
             "entries": entries,
             "entries_full": full_entries,
+            "entries_per_head": entries / heads if heads else 0.0,  # mean realized budget per (layer, row, KV head)
             "notes": notes,
         }
 

@@ -61,7 +61,8 @@ def cmd_demo(args) -> int:
     runs = [(m, qa) for qa in (False, True) for m in methods]
     rows = []
     for name, query_aware in tqdm(runs, desc="demo", disable=args.quiet):
-        out = generate(model, tokenizer, prompt.context, prompt.question, _method(name, None, args.ratio),
+        ratio = args.ratio if getattr(REGISTRY.get(name), "needs_budget", True) else None  # adaptive methods size themselves
+        out = generate(model, tokenizer, prompt.context, prompt.question, _method(name, None, ratio),
                        max_new_tokens=20, query_aware=query_aware)
         rows.append((name, query_aware, out))
     n = rows[0][2].stats["context_tokens"]

@@ -96,7 +96,7 @@ def generate(
     """Answer ``question`` about ``context`` greedily, with the context's KV cache compressed by ``method``.
 
     Returns the answer text, its token ids, the prompt ids (feed them to ``model.generate``
-    to compare with an uncompressed run) and stats: kr, cr, kv_bytes, kv_bytes_full (right
+    to compare with an uncompressed run) and stats: kr, cr, kv_bytes, kv_bytes_full, entries_per_head (right
     after compressing, and ``*_end`` after generation), prefill_s, compress_s,
     decode_ms_per_token, token counts and notes.
     """
@@ -141,6 +141,7 @@ def answer(
         "cr": compressed["cr"],
         "kv_bytes": compressed["kv_bytes"],
         "kv_bytes_full": compressed["kv_bytes_full"],
+        "entries_per_head": compressed["entries_per_head"],
         "kr_end": end["kr"],
         "kv_bytes_end": end["kv_bytes"],
         "kv_bytes_full_end": end["kv_bytes_full"],

@@ -11,7 +11,7 @@ from kvcompress.cli import main as cli_main
 from kvcompress.eval.report import eval_markdown, plot_accuracy_vs_kr
 from kvcompress.eval.runner import EvalSettings, method_grid, prediction_record, run_eval
 
-ROW_KEYS = {"method", "budget", "ratio", "task", "n", "score", "kr", "cr", "kv_bytes", "kv_bytes_full",
+ROW_KEYS = {"method", "budget", "ratio", "task", "n", "score", "kr", "cr", "kv_bytes", "kv_bytes_full", "entries_per_head",
             "prefill_s", "compress_s", "decode_ms_per_token"}
 
 

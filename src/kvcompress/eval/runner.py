@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..cache import CompressedCache
 from ..generate import GenerateOutput, answer, build_prompt, check_inputs, prefill
-from ..methods import Method, get_method
+from ..methods import REGISTRY, Method, get_method
 from .metrics import score
 from .tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, Sample, load_task_file, make_task
 
@@ -54,11 +54,15 @@ class EvalSettings:
 
 
 def method_grid(settings: EvalSettings) -> list[Method]:
-    """``full`` once, then every other method at every budget or ratio (validated up front)."""
+    """``full`` once, then every other method at every budget or ratio (validated up front); adaptive
+    methods (``needs_budget = False``, e.g. gvote) choose their own budget and run once."""
     grid = [get_method("full")]
     sizes = [("budget", b) for b in settings.budgets or []] + [("ratio", r) for r in settings.ratios or []]
     for name in settings.methods:
         if name == "full":
+            continue
+        if not REGISTRY.get(name.strip().lower(), Method).needs_budget:
+            grid.append(get_method(name))
             continue
         for kind, value in sizes:
             grid.append(get_method(name, **{kind: value}))
@@ -144,7 +148,7 @@ def _prediction(sample: Sample, method: Method, out: GenerateOutput) -> Predicti
     )
 
 
-ROW_STATS = ("kr", "cr", "kv_bytes", "kv_bytes_full", "prefill_s", "compress_s", "decode_ms_per_token")
+ROW_STATS = ("kr", "cr", "kv_bytes", "kv_bytes_full", "entries_per_head", "prefill_s", "compress_s", "decode_ms_per_token")
 
 
 def aggregate(predictions: list[Prediction]) -> list[dict]:

@@ -10,16 +10,19 @@ from dataclasses import fields
 
 from .adakv import AdaKV
 from .base import Method, Needs, ScoreMethod
+from .cam import CaM
+from .d2o import D2O
 from .full import Full
 from .gvote import GVote
 from .h2o import H2O
+from .keepkv import KeepKV
 from .momentkv import MomentKV
 from .pyramidkv import PyramidKV
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote)
+    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O)
 }
 
 

@@ -65,11 +65,16 @@ class GVoteAllocation:
 def nucleus_budgets(probs: torch.Tensor, p_nuc: float, cap: torch.Tensor | None = None) -> torch.Tensor:
     """Smallest number of entries whose sorted probability mass reaches ``p_nuc``: [...] int64 from probs [..., L].
 
-    ``cap`` (broadcastable to the result) bounds the count by the entries really there (rounding
-    can leave a cumulative sum just under ``p_nuc = 1``). Always at least 1.
+    The mass is measured against the row's total (rounded float weights need not sum to 1), and
+    ``p_nuc = 1`` counts every entry. ``cap`` (broadcastable to the result) bounds the count by
+    the entries really there (padding has weight 0). Always at least 1.
     """
     ordered = probs.double().sort(dim=-1, descending=True).values
-    budgets = (ordered.cumsum(dim=-1) < p_nuc).sum(dim=-1) + 1
+    cumulative = ordered.cumsum(dim=-1)
+    if p_nuc >= 1.0:
+        budgets = torch.full(probs.shape[:-1], probs.shape[-1], dtype=torch.long, device=probs.device)
+    else:
+        budgets = (cumulative < p_nuc * cumulative[..., -1:]).sum(dim=-1) + 1
     if cap is not None:
         budgets = torch.minimum(budgets, cap.to(budgets.device))
     return budgets.clamp(min=1)
@@ -182,6 +187,7 @@ class GVote(Method):
         cap = layer.head_lengths().to(probs.device)[:, :, None]
         return nucleus_budgets(probs[:, :, :, 0], self.p_nuc, cap)
 
+    @torch.no_grad()  # the model's weights take part: never record autograd (forks run outside inference mode)
     def sampled_queries(self, layer, context) -> torch.Tensor:
         """The S sampled future queries [B, Hq, S, d] float32, after q-norm and averaged RoPE."""
         module, rotary = context.module, context.rotary
@@ -207,6 +213,7 @@ class GVote(Method):
             logits = logits.masked_fill(~view.valid[:, :, None, None, :], float("-inf"))
         return union_votes(logits, budgets), budgets
 
+    @torch.no_grad()
     def compress(self, layer, context) -> None:
         keep, budgets = self.keep_mask(layer, context)
         if self.moment_correction:

@@ -170,7 +170,8 @@ class MomentKV(AdaKV):
 
     def _store(self, layer, moments: Moments) -> None:
         layer.state[MOMENTS] = moments
-        layer.summary = moments if self.correction else None
+        evicted = bool((moments.count > 0).any())  # with nothing evicted the read stays plain (and exact)
+        layer.summary = moments if self.correction and evicted else None
 
     # ----- decoding -------------------------------------------------------------------------
     def after_decode_step(self, layer, probs, context) -> None:

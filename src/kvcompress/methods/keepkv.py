@@ -1,0 +1,188 @@
+"""KeepKV (seeds/002: Tian et al. 2025, "KeepKV: Achieving Periodic Lossless KV Cache Compression
+for Efficient LLM Inference", arXiv 2504.09936).
+
+Entries that leave are merged, not forgotten, and without the "attention sag" of convex
+merges (CaM, D2O): every entry carries an electoral vote count p_i ≥ 1 that the read path
+adds to its logit as log p_i (the layer's per-entry log-weights), and a ZIP-merge folds a
+candidate into its carrier so that the reference query's output is unchanged (METHODS.md,
+"KeepKV"): with λ_i = τ·q̄ᵀk_i and log w_i = log p_i + λ_i,
+v_r = Σ w_i v_i / Σ w_i, k_r = (Σ w_i k_i)·log(Σ w_i / Σ p_i) / Σ w_i λ_i, p_r = Σ p_i.
+
+Protocol (Algorithm 1 of the paper; the shared machinery is ``merging.MergingMethod``):
+
+* Prefill: importance = the bias-corrected EMA of the observation window's attention
+  (mean over the GQA group; Alg. 1 step 4), SnapKV-pooled for the selection; sinks and the
+  recent window are kept and never merged; the lowest-importance entries leave down to
+  the budget; each goes to the retained key (outside sinks and the recent window) with
+  the highest cosine similarity, all of a carrier's candidates in one exact group merge;
+  the reference q̄ is the window's queries averaged over the group and the window. The
+  reference's relative output error right after compression is ``state["merge_error"]``
+  (≈ 1e-7 in float32; exactness holds for q̄ only, not for each query head of the group,
+  and not after rounding merged keys to bf16/fp16).
+* Decoding: the EMA is updated from each step's attention (votes included); when a head
+  exceeds its budget (+ ``slack``) its lowest-EMA entries are ZIP-merged, with the current
+  query averaged over its group as the reference.
+* Periodic refresh (``refresh_every`` = T > 0): the original K/V of every token seen (the
+  prompt, and each decoded token as it comes) and the last ``window`` queries are kept in
+  CPU memory (``state["external_kv"]``, not counted in kr: its size is
+  ``state["external_kv_bytes"]``); every T decoded tokens the layer is rebuilt from it —
+  importance re-initialised over the last ``window`` queries, selection and merges redone
+  against their mean — so the reference error returns to its post-compression level.
+  The paper keeps the prompt's K/V only; keeping the decoded tokens too makes the rebuild
+  complete (a decoded token merged into a prompt carrier would otherwise be lost).
+
+Guard: where Σ w_i λ_i cancels (|Σ w λ| ≤ fallback_eps·Σ w |λ|) the key falls back to the
+convex merge; fallbacks are counted in ``state["zip_fallbacks"]`` and noted in the stats.
+
+Defaults: sinks 4 (METHODS.md's s), window 32, recent window = the observation window
+(capped at half of what the sinks leave of the budget, so carriers exist), EMA decay 0.9
+(the paper's value is lost in the text; a memory of about 10 queries), no similarity
+threshold (the authors' code uses 0.8: pass ``similarity_threshold=0.8`` to drop candidates
+below it instead of merging them), slack 0 (merge at every step over budget, as the paper),
+no refresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+from ..cache import POSITION_DTYPE
+from .merging import Merged, MergingMethod, log_votes_of, window_query_valid, zip_merge
+
+EXTERNAL = "external_kv"
+
+
+@dataclass(frozen=True)
+class ExternalKV:
+    """Original K/V of every token seen, in CPU memory, plus the last queries (for refresh).
+
+    Chunks [B, H, t, d] (positions and validity [B, t]) are appended, never written in place,
+    so clones of a cache may share it. It has no ``nbytes``: kr counts what the accelerator
+    holds; ``size_bytes`` is reported separately.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    positions: tuple[torch.Tensor, ...]
+    valid: tuple[torch.Tensor, ...]
+    queries: torch.Tensor  # [B, Hq, w, d]
+    query_positions: torch.Tensor  # [B, w]
+    query_valid: torch.Tensor  # [B, w]
+
+    def size_bytes(self) -> int:
+        tensors = [*self.keys, *self.values, *self.positions, *self.valid, self.queries, self.query_positions, self.query_valid]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def entries(self, device) -> tuple[torch.Tensor, ...]:
+        """keys, values [B, H, T, d], positions [B, T], valid [B, T] on ``device``."""
+        return tuple(torch.cat(chunks, dim=-2 if chunks is self.keys or chunks is self.values else -1).to(device)
+                     for chunks in (self.keys, self.values, self.positions, self.valid))
+
+    def with_step(self, keys, values, positions, queries, window: int) -> ExternalKV:
+        """Append a decoding step's entries [B, H, q, d] at positions [B, q] and its queries [B, Hq, q, d]."""
+        valid = torch.ones(positions.shape, dtype=torch.bool)
+        return replace(
+            self,
+            keys=(*self.keys, keys.cpu()), values=(*self.values, values.cpu()),
+            positions=(*self.positions, positions.long().cpu()), valid=(*self.valid, valid),
+            queries=torch.cat([self.queries, queries.cpu()], dim=2)[:, :, -window:],
+            query_positions=torch.cat([self.query_positions, positions.long().cpu()], dim=1)[:, -window:],
+            query_valid=torch.cat([self.query_valid, valid], dim=1)[:, -window:],
+        )
+
+
+@dataclass
+class KeepKV(MergingMethod):
+    """Electoral votes + ZIP-merging, EMA importance, optional periodic refresh (see the module docstring).
+
+    Options: fallback_eps (relative size of Σ w λ under which the key merge falls back to
+    convex, 1e-3), refresh_every (T decoded tokens between refreshes, 0 = off), plus
+    MergingMethod's sinks, recent, ema_decay, similarity_threshold, slack and SnapKV's
+    window, kernel, pooling and budget allocations.
+    """
+
+    fallback_eps: float = 1e-3
+    refresh_every: int = 0
+
+    name: ClassVar[str] = "keepkv"
+    paper: ClassVar[str] = "Tian et al. 2025, KeepKV: Achieving Periodic Lossless KV Cache Compression for Efficient LLM Inference"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fallback_eps <= 0 or self.refresh_every < 0:
+            raise ValueError("fallback_eps must be > 0 and refresh_every ≥ 0")
+
+    def merge_rule(self, layer, view, plan, ref, scaling) -> Merged:
+        return zip_merge(view.keys, view.values, log_votes_of(layer), ref.logits(view.keys, scaling), plan, self.fallback_eps)
+
+    # ----- prefill ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def compress(self, layer, context) -> None:
+        if self.refresh_every:
+            self._keep_external(layer)
+        super().compress(layer, context)
+
+    def _keep_external(self, layer) -> None:
+        """Copy the uncompressed prefill and the last window queries to CPU memory."""
+        view = layer.padded_view()  # at prefill every head of a row holds the row's tokens
+        b, _, length = view.positions.shape
+        valid = view.valid[:, 0] if view.valid is not None else torch.ones(b, length, dtype=torch.bool)
+        queries = layer.observations["window_queries"][:, :, -self.window :]
+        ext = ExternalKV(
+            keys=(view.keys.cpu(),), values=(view.values.cpu(),),
+            positions=(view.positions[:, 0].cpu(),), valid=(valid.cpu(),),
+            queries=queries.cpu(), query_positions=layer.observations["window_positions"][:, -self.window :].long().cpu(),
+            query_valid=window_query_valid(queries, layer.tokens_seen).cpu(),
+        )
+        self._store(layer, ext)
+
+    def _store(self, layer, ext: ExternalKV) -> None:
+        layer.state[EXTERNAL] = ext
+        layer.state["external_kv_bytes"] = ext.size_bytes()
+
+    # ----- decoding --------------------------------------------------------------------------
+    @torch.no_grad()
+    def after_decode_step(self, layer, probs, context) -> None:
+        self.update_importance(layer, probs, context)
+        if self.refresh_every and EXTERNAL in layer.state:
+            q = context.query.shape[2]
+            self._store(layer, layer.state[EXTERNAL].with_step(*self._new_entries(layer, q), context.query_positions,
+                                                                context.query, self.window))
+            before = layer.state.get("decode_tokens", 0)
+            layer.state["decode_tokens"] = before + q
+            if (before + q) // self.refresh_every > before // self.refresh_every:
+                self.refresh(layer, context)
+                return
+        self.merge_over_budget(layer, context)
+
+    @staticmethod
+    def _new_entries(layer, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's q new keys and values [B, H, q, d]: the last q entries of every head."""
+        view = layer.padded_view()
+        index = (layer.head_lengths().to(view.keys.device)[..., None] - q + torch.arange(q, device=view.keys.device))
+        index = index[..., None].expand(-1, -1, -1, view.keys.shape[-1])
+        return view.keys.gather(2, index), view.values.gather(2, index)
+
+    def refresh(self, layer, context) -> None:
+        """Rebuild the layer from the external K/V: every token seen, votes 1, then compress as at prefill
+        with the last ``window`` queries (current scores) to the current budget."""
+        ext = layer.state[EXTERNAL]
+        device = layer.flat_keys.device
+        keys, values, positions, valid = ext.entries(device)
+        b, h, t, _ = keys.shape
+        mask = valid[:, None, :].expand(b, h, t)
+        layer.flat_keys = keys[mask].to(layer.flat_keys.dtype)
+        layer.flat_values = values[mask].to(layer.flat_values.dtype)
+        layer.positions = positions[:, None, :].expand(b, h, t)[mask].to(POSITION_DTYPE)
+        layer.lengths = mask.sum(dim=-1).reshape(-1).cpu()
+        layer.extras = {}
+        layer.set_log_weights(None)  # votes back to 1; also drops the cached padded view
+        layer.state["refreshes"] = layer.state.get("refreshes", 0) + 1
+        self.compress_from_window(layer, context.scaling, ext.queries.to(device), ext.query_positions.to(device),
+                                  ext.query_valid.to(device), self.decode_budget(layer), context)
+
+
+__all__ = ["ExternalKV", "KeepKV"]

@@ -1,0 +1,507 @@
+"""Merging: fold the entries that leave into retained ones instead of forgetting them.
+
+Shared by KeepKV (votes + ZIP-merging), CaM and D2O (convex merges without votes), so that
+the three differ only in their merge rule (METHODS.md, "KeepKV" and "Merging baselines"):
+
+    importance (EMA of attention) → keep set under the budget (sinks and the recent window
+    protected) → candidates = the rest → carrier = the most cosine-similar retained key
+    outside sinks and the recent window → optional similarity threshold (below: dropped)
+    → merge rule on each group {carrier} ∪ {its candidates} → ``LayerCache.retain``
+
+The pieces are plain tensor functions on the layer's padded view [B, H, L, ...]:
+
+* ``nearest_carriers``: per candidate, the allowed carrier with the highest key cosine
+  similarity (candidates × carriers only, in chunks, never L × L at once);
+* ``group_combine``: per carrier, the weighted mean of its group and the log of the total
+  weight, from per-entry log-weights, with a per-group shift so nothing overflows
+  (float64): every merge rule is built from it;
+* ``zip_merge`` (KeepKV), ``cam_merge``, ``d2o_merge``: the rules;
+* ``MergingMethod``: the skeleton above, for prefill and decoding (EMA importance with
+  bias correction, decoding-time merging when a head exceeds its budget) and the
+  relative error of the reference query right after compression (``merge_error``).
+
+A merge is computed for one reference query per KV head (q̄: the observation window's
+queries averaged over the GQA group and the window at prefill; the current query averaged
+over its group while decoding). With GQA the other query heads of the group are not exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import attend_reference, attention_probs, group_queries
+from .base import Needs, pool_scores, priority, recent_mask, sink_mask, top_per_head
+from .snapkv import SnapKV
+
+if TYPE_CHECKING:
+    from ..cache import LayerCache, LayerContext
+
+EMA = "merge_ema"  # extras: the EMA of the attention an entry received, S_i (not bias-corrected)
+EMA_NORM = "merge_ema_norm"  # extras: the EMA of ones over the same updates, 1 − α^{n_i} (bias correction)
+
+
+# ----- references -------------------------------------------------------------------------------
+@dataclass
+class Reference:
+    """One reference query per (batch row, KV head): ``query`` [B, H, d] float32 at ``position`` [B]."""
+
+    query: torch.Tensor
+    position: torch.Tensor
+
+    def logits(self, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+        """λ_i = τ·q̄ᵀk_i for keys [B, H, L, d]: [B, H, L] float64."""
+        return torch.einsum("bhd,bhld->bhl", self.query.double(), keys.double()) * scaling
+
+
+def window_query_valid(queries: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, w] bool: which of the last w prefill queries are real tokens (rows are left-padded)."""
+    w = queries.shape[2]
+    column = torch.arange(w, device=queries.device)
+    return column[None, :] >= (w - tokens.to(queries.device))[:, None]
+
+
+def window_reference(layer: LayerCache, queries: torch.Tensor, query_valid: torch.Tensor) -> Reference:
+    """q̄ = mean over the GQA group and the (real) window queries [B, Hq, w, d]; placed after every entry."""
+    grouped = group_queries(queries, layer.num_kv_heads).float()  # [B, H, G, w, d]
+    weight = query_valid.float().to(grouped.device)
+    count = weight.sum(dim=1).clamp(min=1.0) * grouped.shape[2]  # [B]: real queries × group size
+    mean = (grouped * weight[:, None, None, :, None]).sum(dim=(2, 3)) / count[:, None, None]
+    return Reference(mean, last_position(layer))
+
+
+def query_reference(layer: LayerCache, context: LayerContext) -> Reference:
+    """The step's last query averaged over its GQA group, at its own position."""
+    grouped = group_queries(context.query[:, :, -1:], layer.num_kv_heads).float()  # [B, H, G, 1, d]
+    return Reference(grouped.mean(dim=(2, 3)), context.query_positions[:, -1].long())
+
+
+def last_position(layer: LayerCache) -> torch.Tensor:
+    """[B]: each row's newest entry position (a query there sees every entry)."""
+    view = layer.padded_view()
+    positions = view.positions if view.valid is None else view.positions.masked_fill(~view.valid, -1)
+    return positions.amax(dim=(1, 2))
+
+
+def reference_output(ref: Reference, keys, values, positions, valid, log_weights, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output [B, H, d] and log-sum-exp [B, H] of the reference query over entries [B, H, L, ...]."""
+    out, lse, _ = attend_reference(
+        ref.query[:, :, None, None, :], keys, values, scaling,
+        query_positions=ref.position[:, None], key_positions=positions, key_valid=valid, log_weights=log_weights,
+    )
+    return out[:, :, 0, 0], lse[:, :, 0, 0]
+
+
+def layer_reference_output(ref: Reference, layer: LayerCache, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference_output`` over what the layer holds, votes included."""
+    view = layer.padded_view()
+    log_weights = layer.padded(layer.log_weights) if layer.log_weights is not None else None
+    return reference_output(ref, view.keys, view.values, view.positions, view.valid, log_weights, scaling)
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖o − o_ref‖ / ‖o_ref‖ over every row and head (METHODS.md, "Metrics")."""
+    norm = float(expected.double().norm())
+    return float((out.double() - expected.double()).norm()) / norm if norm > 0 else 0.0
+
+
+# ----- carrier search ---------------------------------------------------------------------------
+def _first(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Indices [B, H, L] that bring each head's True entries first (in order), and the largest count."""
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+    return order, int(mask.sum(dim=-1).max()) if mask.numel() else 0
+
+
+def nearest_carriers(
+    keys: torch.Tensor, candidates: torch.Tensor, carriers: torch.Tensor, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each candidate, the allowed carrier of its head whose key is the most cosine-similar.
+
+    Args:
+        keys: [B, H, L, d]. candidates, carriers: [B, H, L] bool (disjoint).
+    Returns:
+        similarity [B, H, L] float32 (-inf where not a candidate or the head has no carrier)
+        and carrier index [B, H, L] long (into L; the entry itself where not a candidate).
+    """
+    b, h, length, d = keys.shape
+    self_index = torch.arange(length, device=keys.device).expand(b, h, length)
+    similarity = torch.full((b, h, length), float("-inf"), device=keys.device)
+    index = self_index.clone()
+    cand_order, n_cand = _first(candidates)
+    carr_order, n_carr = _first(carriers)
+    if n_cand == 0 or n_carr == 0:
+        return similarity, index
+    unit = F.normalize(keys.float(), dim=-1)
+    carr_order = carr_order[..., :n_carr]
+    carr_keys = unit.gather(2, carr_order[..., None].expand(-1, -1, -1, d))  # [B, H, P, d]
+    carr_ok = carriers.gather(2, carr_order)
+    for start in range(0, n_cand, chunk):
+        rows = cand_order[..., start : min(start + chunk, n_cand)]  # [B, H, c]
+        cand_keys = unit.gather(2, rows[..., None].expand(-1, -1, -1, d))
+        sims = torch.einsum("bhcd,bhpd->bhcp", cand_keys, carr_keys).masked_fill(~carr_ok[:, :, None, :], float("-inf"))
+        best, arg = sims.max(dim=-1)
+        similarity = similarity.scatter(2, rows, best)
+        index = index.scatter(2, rows, carr_order.gather(2, arg))
+    similarity = similarity.masked_fill(~candidates, float("-inf"))
+    index = torch.where(candidates & torch.isfinite(similarity), index, self_index)
+    return similarity, index
+
+
+# ----- grouped merges ---------------------------------------------------------------------------
+@dataclass
+class MergePlan:
+    """Who folds into whom, on the padded view [B, H, L].
+
+    ``keep``: entries that stay (carriers included); ``merged``: candidates folded into
+    ``target`` (the index of their carrier in the same head; ``target`` is the entry itself
+    elsewhere); ``dropped``: candidates forgotten; ``similarity``: cosine similarity of a
+    candidate to its carrier (-inf elsewhere).
+    """
+
+    keep: torch.Tensor
+    merged: torch.Tensor
+    dropped: torch.Tensor
+    target: torch.Tensor
+    similarity: torch.Tensor
+
+    @property
+    def members(self) -> torch.Tensor:
+        """Entries that end up in some retained entry: the kept ones and the merged candidates."""
+        return self.keep | self.merged
+
+    @property
+    def carriers(self) -> torch.Tensor:
+        """Kept entries that receive at least one candidate."""
+        received = torch.zeros_like(self.target).scatter_add(-1, self.target, self.merged.long())
+        return received > 0
+
+
+def group_combine(
+    x: torch.Tensor, log_weight: torch.Tensor, plan: MergePlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (a carrier and its candidates): Σ w_i x_i / Σ w_i and log Σ w_i, w_i = exp(log_weight_i).
+
+    x: [B, H, L, ...]; log_weight: [B, H, L]. Results sit at the group's carrier index
+    ([B, H, L, ...] float64 and [B, H, L] float64); the sums are shifted by each group's
+    largest log-weight, so huge logits neither overflow nor underflow.
+    """
+    member = plan.members
+    target = plan.target
+    lw = log_weight.double().masked_fill(~member, float("-inf"))
+    shift = torch.full_like(lw, float("-inf")).scatter_reduce(-1, target, lw, reduce="amax", include_self=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    weight = torch.exp(lw - shift.gather(-1, target))  # 0 for non-members
+    total = torch.zeros_like(weight).scatter_add(-1, target, weight)
+    flat_x = x.double().reshape(*x.shape[:3], -1)
+    index = target[..., None].expand_as(flat_x)
+    summed = torch.zeros_like(flat_x).scatter_add(2, index, weight[..., None] * flat_x)
+    mean = (summed / total.clamp(min=1e-300)[..., None]).reshape(x.shape)
+    return mean, torch.log(total) + shift
+
+
+@dataclass
+class Merged:
+    """A merge rule's result on the padded view: new keys and values at the carriers, votes (log p) or None."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    log_votes: torch.Tensor | None = None
+    fallbacks: int = 0
+
+
+def zip_merge(
+    keys: torch.Tensor, values: torch.Tensor, log_votes: torch.Tensor, logits: torch.Tensor, plan: MergePlan,
+    eps: float = 1e-3,
+) -> Merged:
+    """KeepKV's ZIP-merge of each group at once (METHODS.md, "KeepKV"), exact for the reference query.
+
+    With λ_i = τ·q̄ᵀk_i and log w_i = log p_i + λ_i over a group {carrier} ∪ {candidates}:
+    v_r = Σ w_i v_i / Σ w_i, k_r = (Σ w_i k_i)·log(Σ w_i / Σ p_i) / (Σ w_i λ_i), p_r = Σ p_i,
+    so that τ·q̄ᵀk_r = log(Σ w_i / Σ p_i) and p_r·e^{τ q̄ᵀk_r} = Σ w_i: the group's share of
+    the softmax numerator and denominator is unchanged (the two-entry formula applied to a
+    whole group at once; pairwise merges one after the other are exact too, with another
+    key). The common scale of the w_i cancels, so everything is computed from shifted
+    weights in float64.
+
+    Guard: where |Σ w_i λ_i| ≤ eps·Σ w_i |λ_i| (the weighted logits cancel, k_r would blow up),
+    the key falls back to the convex merge Σ w_i k_i / Σ w_i (not exact); these are counted.
+    """
+    log_w = log_votes.double() + logits
+    k_mean, log_total = group_combine(keys, log_w, plan)
+    v_mean, _ = group_combine(values, log_w, plan)
+    lam = torch.stack([logits, logits.abs()], dim=-1)
+    lam_mean = group_combine(lam, log_w, plan)[0]  # Σ w λ / Σ w and Σ w |λ| / Σ w
+    _, log_p = group_combine(torch.zeros_like(logits), log_votes, plan)  # log Σ p
+    carriers = plan.carriers
+    fallback = carriers & (lam_mean[..., 0].abs() <= eps * lam_mean[..., 1])
+    scale = (log_total - log_p) / torch.where(fallback, torch.ones_like(log_p), lam_mean[..., 0])
+    k_zip = torch.where(fallback[..., None], k_mean, k_mean * scale[..., None])
+    return Merged(
+        keys=torch.where(carriers[..., None], k_zip.to(keys.dtype), keys),
+        values=torch.where(carriers[..., None], v_mean.to(values.dtype), values),
+        log_votes=torch.where(carriers, log_p.float(), log_votes.float()),
+        fallbacks=int(fallback.sum()),
+    )
+
+
+def cam_merge(keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, plan: MergePlan) -> Merged:
+    """CaM-style: the carrier keeps its key; values are averaged with the reference attention e^{λ_i}."""
+    v_mean, _ = group_combine(values, logits, plan)
+    carriers = plan.carriers
+    return Merged(keys=keys, values=torch.where(carriers[..., None], v_mean.to(values.dtype), values))
+
+
+def d2o_merge(keys: torch.Tensor, values: torch.Tensor, plan: MergePlan) -> Merged:
+    """D2O-style: keys and values averaged with weights softmax(u) over the group, u = cosine similarity
+    to the carrier (1 for the carrier itself): w_e = e^{u_e} / (Σ e^{u} + e), w_c = e / (Σ e^{u} + e)."""
+    u = torch.where(plan.merged, plan.similarity.double(), torch.ones_like(plan.similarity, dtype=torch.float64))
+    u = torch.where(torch.isfinite(u), u, torch.ones_like(u))
+    k_mean, _ = group_combine(keys, u, plan)
+    v_mean, _ = group_combine(values, u, plan)
+    carriers = plan.carriers[..., None]
+    return Merged(keys=torch.where(carriers, k_mean.to(keys.dtype), keys), values=torch.where(carriers, v_mean.to(values.dtype), values))
+
+
+# ----- writing back -----------------------------------------------------------------------------
+def flatten(padded: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """[B, H, L, ...] → the layer's flat layout [N, ...] (valid entries, segment after segment)."""
+    return padded[valid] if valid is not None else padded.reshape(-1, *padded.shape[3:])
+
+
+def write_and_retain(layer: LayerCache, plan: MergePlan, merged: Merged, extras: dict[str, torch.Tensor]) -> None:
+    """Store the carriers' new keys, values, votes and extras (padded), then keep ``plan.keep``.
+
+    Tensors are replaced, never written in place (clones of a cache share them).
+    """
+    valid = layer.padded_view().valid
+    layer.flat_keys = flatten(merged.keys.to(layer.flat_keys.dtype), valid)
+    layer.flat_values = flatten(merged.values.to(layer.flat_values.dtype), valid)
+    layer.extras = {**layer.extras, **{name: flatten(t, valid) for name, t in extras.items()}}
+    log_weights = flatten(merged.log_votes, valid) if merged.log_votes is not None else layer.log_weights
+    layer.set_log_weights(log_weights)  # also drops the cached padded view of the old tensors
+    layer.retain(plan.keep)
+
+
+# ----- EMA importance ----------------------------------------------------------------------------
+def ema_update(s: torch.Tensor, norm: torch.Tensor, received: torch.Tensor, visible: torch.Tensor, decay: float):
+    """One EMA step S ← αS + (1 − α)a on visible entries, and its bias-correction weight alike."""
+    s = torch.where(visible, decay * s + (1 - decay) * received, s)
+    norm = torch.where(visible, decay * norm + (1 - decay), norm)
+    return s, norm
+
+
+def ema_over_queries(
+    s: torch.Tensor, norm: torch.Tensor, probs: torch.Tensor, query_positions: torch.Tensor,
+    key_positions: torch.Tensor, key_valid: torch.Tensor | None, decay: float, query_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold each query's attention (probs [B, H, q, L], mean over the group) into the EMA, in order.
+
+    An entry is updated only by queries that see it (causality by position, real queries), so
+    every entry's bias correction 1 − α^{n_i} counts its own updates.
+    """
+    for j in range(probs.shape[2]):
+        visible = key_positions <= query_positions[:, j, None, None]
+        if key_valid is not None:
+            visible = visible & key_valid
+        if query_valid is not None:
+            visible = visible & query_valid[:, j, None, None]
+        s, norm = ema_update(s, norm, probs[:, :, j], visible, decay)
+    return s, norm
+
+
+# ----- the skeleton ------------------------------------------------------------------------------
+@dataclass
+class MergingMethod(SnapKV):
+    """Select by EMA importance, fold what leaves into the most similar retained key (see the module docstring).
+
+    Options (beyond SnapKV's window, kernel, pooling and ScoreMethod's allocations):
+        sinks: first tokens never merged and never carriers (4, METHODS.md's s).
+        recent: most recent tokens never merged and never carriers; None = the observation
+            window. Capped at half of what the sinks leave of the budget, so that carriers exist.
+        ema_decay: α of the importance S_i ← αS_i + (1 − α)a_i (0.9: a memory of about 10
+            queries, shorter than the 32-query window, as the locality argument asks; the
+            paper's value is lost in the text).
+        similarity_threshold: candidates whose best cosine similarity is below it are
+            dropped instead of merged (None: always merge).
+        slack: while decoding, merge only once a head exceeds its budget by this many
+            entries, then back to the budget (0: every step, as the paper).
+    """
+
+    sinks: int = 4
+    recent: int | None = None
+    ema_decay: float = 0.9
+    similarity_threshold: float | None = None
+    slack: int = 0
+
+    wants_decode_probs: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+        if self.slack < 0 or (self.recent is not None and self.recent < 0):
+            raise ValueError("slack and recent must be ≥ 0")
+
+    def needs(self) -> Needs:
+        return Needs(window=self.window)
+
+    # ----- importance ------------------------------------------------------------------------
+    def init_importance(self, layer, queries, query_positions, query_valid, scaling) -> None:
+        """EMA of the window queries' attention (mean over the group), bias-corrected (Alg. 1, step 4)."""
+        view = layer.padded_view()
+        grouped = group_queries(queries, layer.num_kv_heads)
+        probs = attention_probs(grouped, view.keys, scaling, query_positions, view.positions, view.valid).mean(dim=2)
+        zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
+        s, norm = ema_over_queries(zeros, zeros, probs, query_positions, view.positions, view.valid, self.ema_decay, query_valid)
+        layer.extras[EMA] = flatten(s, view.valid)
+        layer.extras[EMA_NORM] = flatten(norm, view.valid)
+
+    def importance(self, layer) -> torch.Tensor:
+        """Bias-corrected EMA Ŝ_i = S_i / (1 − α^{n_i}) on the padded view [B, H, L] (0 before any update)."""
+        s, norm = layer.padded(layer.extras[EMA]), layer.padded(layer.extras[EMA_NORM])
+        return torch.where(norm > 0, s / norm.clamp(min=1e-30), torch.zeros_like(s))
+
+    def score(self, layer, context) -> torch.Tensor:
+        return pool_scores(self.importance(layer), self.kernel, self.pooling)
+
+    def recent_count(self, budgets: torch.Tensor) -> torch.Tensor:
+        """[B]: protected recent tokens per row."""
+        recent = self.window if self.recent is None else self.recent
+        return torch.clamp(torch.minimum(torch.full_like(budgets, recent), (budgets - self.sinks) // 2), min=0)
+
+    def protected(self, layer, budgets) -> torch.Tensor:
+        view = layer.padded_view()
+        return recent_mask(view.positions, view.valid, self.recent_count(budgets)) | sink_mask(view.positions, view.valid, self.sinks)
+
+    # ----- compression -----------------------------------------------------------------------
+    @torch.no_grad()  # forks compress outside inference mode: never record autograd
+    def compress(self, layer, context) -> None:
+        queries = layer.observations["window_queries"][:, :, -self.window :]
+        query_positions = layer.observations["window_positions"][:, -self.window :]
+        self.compress_from_window(layer, context.scaling, queries, query_positions,
+                                  window_query_valid(queries, layer.tokens_seen), self.layer_budget(layer, context), context)
+
+    def compress_from_window(self, layer, scaling, queries, query_positions, query_valid, budgets, context) -> None:
+        """Score with the window's EMA, keep the top entries, merge the rest against the window's mean query.
+
+        Records in ``layer.state["merge_error"]`` the reference query's relative output error
+        right after compression (before: every entry, votes included; after: what is held).
+        """
+        view = layer.padded_view()
+        before = (view.keys, view.values, view.positions, view.valid,
+                  layer.padded(layer.log_weights) if layer.log_weights is not None else None)
+        ref = window_reference(layer, queries, query_valid)
+        self.init_importance(layer, queries, query_positions, query_valid, scaling)
+        keep = self.select(layer, context, budgets, self.head_budgets)
+        self.merge(layer, keep, budgets, ref, scaling)
+        expected, _ = reference_output(ref, *before, scaling)
+        out, _ = layer_reference_output(ref, layer, scaling)
+        layer.state["merge_error"] = relative_error(out, expected)
+
+    def carrier_pool(self, layer, keep: torch.Tensor, candidates: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """Retained entries that may carry: outside sinks and the recent window (all retained ones
+        in a head where none is left outside them)."""
+        pool = keep & ~self.protected(layer, budgets)
+        empty = ~pool.any(dim=-1, keepdim=True)
+        if bool((empty & candidates.any(dim=-1, keepdim=True)).any()):
+            layer.notes.add(f"{self.name}: budget leaves no carrier outside sinks and the recent window; protected entries carry")
+        return torch.where(empty, keep, pool)
+
+    def accept(self, layer, similarity: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Which candidates merge (the rest are dropped): all, or those at or above the threshold."""
+        if self.similarity_threshold is None:
+            return candidates
+        return candidates & (similarity >= self.similarity_threshold)
+
+    def merge(self, layer, keep: torch.Tensor, budgets: torch.Tensor, ref: Reference, scaling: float) -> None:
+        """Fold every valid entry outside ``keep`` [B, H, L] into its carrier (or drop it), then retain."""
+        view = layer.padded_view()
+        valid = view.valid if view.valid is not None else torch.ones_like(keep)
+        keep = keep & valid
+        candidates = valid & ~keep
+        if not bool(candidates.any()):
+            return
+        similarity, carrier = nearest_carriers(view.keys, candidates, self.carrier_pool(layer, keep, candidates, budgets))
+        merged = self.accept(layer, similarity, candidates) & torch.isfinite(similarity)
+        target = torch.where(merged, carrier, torch.arange(keep.shape[-1], device=keep.device).expand_as(carrier))
+        plan = MergePlan(keep=keep, merged=merged, dropped=candidates & ~merged, target=target, similarity=similarity)
+        result = self.merge_rule(layer, view, plan, ref, scaling)
+        self._count(layer, plan, result)
+        write_and_retain(layer, plan, result, self._merged_importance(layer, plan))
+
+    def merge_rule(self, layer, view, plan: MergePlan, ref: Reference, scaling: float) -> Merged:
+        raise NotImplementedError
+
+    def _merged_importance(self, layer, plan: MergePlan) -> dict[str, torch.Tensor]:
+        """A carrier's importance becomes the sum of its group's (the attention it will receive);
+        its bias correction the largest of the group's."""
+        s_hat = self.importance(layer).masked_fill(~plan.members, 0.0)
+        norm = layer.padded(layer.extras[EMA_NORM]).masked_fill(~plan.members, 0.0)
+        summed = torch.zeros_like(s_hat).scatter_add(-1, plan.target, s_hat)
+        largest = torch.zeros_like(norm).scatter_reduce(-1, plan.target, norm, reduce="amax", include_self=True)
+        carriers = plan.carriers
+        return {
+            EMA: torch.where(carriers, summed * largest, layer.padded(layer.extras[EMA])),
+            EMA_NORM: torch.where(carriers, largest, layer.padded(layer.extras[EMA_NORM])),
+        }
+
+    def _count(self, layer, plan: MergePlan, result: Merged) -> None:
+        state = layer.state
+        state["merged"] = state.get("merged", 0) + int(plan.merged.sum())
+        state["dropped"] = state.get("dropped", 0) + int(plan.dropped.sum())
+        if result.fallbacks:
+            state["zip_fallbacks"] = state.get("zip_fallbacks", 0) + result.fallbacks
+            layer.notes = {n for n in layer.notes if not n.startswith(f"{self.name}: layer {layer.layer_idx} ")}
+            layer.notes.add(f"{self.name}: layer {layer.layer_idx} {state['zip_fallbacks']} fallbacks to the convex key merge")
+
+    # ----- decoding --------------------------------------------------------------------------
+    def update_importance(self, layer, probs: torch.Tensor, context) -> None:
+        """Fold the step's attention (votes included, mean over the group) into every entry's EMA."""
+        view = layer.padded_view()
+        s, norm = layer.padded(layer.extras[EMA]), layer.padded(layer.extras[EMA_NORM])
+        s, norm = ema_over_queries(s, norm, probs.float().mean(dim=2), context.query_positions, view.positions, view.valid, self.ema_decay)
+        layer.extras[EMA] = flatten(s, view.valid)
+        layer.extras[EMA_NORM] = flatten(norm, view.valid)
+
+    @torch.no_grad()
+    def after_decode_step(self, layer, probs, context) -> None:
+        self.update_importance(layer, probs, context)
+        self.merge_over_budget(layer, context)
+
+    def merge_over_budget(self, layer, context) -> None:
+        """Where a head holds more than budget + slack, merge its lowest-EMA entries (outside sinks and
+        the recent window) back to the budget, against the current query."""
+        budgets = self.decode_budget(layer)
+        lengths = layer.head_lengths()
+        over = lengths > (budgets + self.slack)[:, None]
+        if not bool(over.any()):
+            return
+        view = layer.padded_view()
+        key = priority(self.importance(layer), self.protected(layer, budgets), view.positions, view.valid)
+        per_head = torch.where(over, budgets[:, None].expand_as(lengths), lengths)
+        keep = top_per_head(key, per_head)
+        self.merge(layer, keep, budgets, query_reference(layer, context), context.scaling)
+
+
+def log_votes_of(layer: LayerCache) -> torch.Tensor:
+    """log p on the padded view [B, H, L] (0 where the layer holds no votes)."""
+    if layer.log_weights is None:
+        return torch.zeros(layer.padded_view().positions.shape, dtype=torch.float32, device=layer.flat_keys.device)
+    return layer.padded(layer.log_weights)
+
+
+__all__ = [
+    "MergePlan",
+    "Merged",
+    "MergingMethod",
+    "Reference",
+    "cam_merge",
+    "d2o_merge",
+    "group_combine",
+    "nearest_carriers",
+    "relative_error",
+    "zip_merge",
+]

@@ -1,0 +1,255 @@
+"""KeepKV: votes + ZIP-merging are exact for the reference query; votes travel; fallbacks; threshold; refresh."""
+
+import pytest
+import torch
+
+from common import random_layer, tiny_model
+from kvcompress import CompressedCache, get_method
+from kvcompress.attention import group_queries, read
+from kvcompress.cache import LayerCache, LayerContext
+from kvcompress.methods.keepkv import EXTERNAL
+from kvcompress.methods.merging import MergePlan, query_reference, relative_error, reference_output, zip_merge
+
+
+class _Module:
+    num_key_value_groups = 2
+    training = False
+    is_causal = True
+
+
+def reference_query(window_queries, heads):
+    """q̄ [B, H, d] float64: the window's queries averaged over the GQA group and the window."""
+    return group_queries(window_queries.double(), heads).mean(dim=(2, 3))
+
+
+def attend64(q, keys, values, log_weights=None, scaling=1.0, valid=None):
+    """One query per head q [B, H, d] over every entry [B, H, L, d] in float64: (output [B, H, d], lse [B, H])."""
+    logits = torch.einsum("bhd,bhld->bhl", q.double(), keys.double()) * scaling
+    if log_weights is not None:
+        logits = logits + log_weights.double()
+    if valid is not None:
+        logits = logits.masked_fill(~valid, float("-inf"))
+    return torch.einsum("bhl,bhld->bhd", torch.softmax(logits, -1), values.double()), torch.logsumexp(logits, -1)
+
+
+def held(layer):
+    view = layer.padded_view()
+    votes = layer.padded(layer.log_weights) if layer.log_weights is not None else None
+    return view.keys, view.values, votes, view.valid
+
+
+def votes_per_head(layer):
+    """Σ p per (row, head) [B, H] float64."""
+    view = layer.padded_view()
+    p = torch.ones(view.positions.shape, dtype=torch.float64)
+    if layer.log_weights is not None:
+        p = layer.padded(layer.log_weights).double().exp()
+    return (p * (view.valid if view.valid is not None else 1)).sum(-1)
+
+
+def test_reference_query_output_is_unchanged_by_compression():
+    """The paper's claim, in float32: after compression q̄'s output equals the uncompressed one."""
+    layer, context, queries, _, valid = random_layer(batch=2, heads=2, group=2, length=96, dim=16, window=8, seed=1, lengths=[96, 70])
+    view = layer.padded_view()
+    keys, values, full_valid = view.keys.clone(), view.values.clone(), view.valid
+    q = reference_query(layer.observations["window_queries"], 2)
+    expected, lse_before = attend64(q, keys, values, scaling=context.scaling, valid=full_valid)
+    method = get_method("keepkv", budget=24, window=8)
+    method.compress(layer, context)
+    assert layer.head_lengths().tolist() == [[24, 24], [24, 24]]
+    assert layer.state.get("zip_fallbacks", 0) == 0 and layer.state["dropped"] == 0
+    k, v, log_p, kvalid = held(layer)
+    out, lse_after = attend64(q, k, v, log_p, context.scaling, kvalid)
+    assert relative_error(out, expected) <= 1e-4
+    assert torch.allclose(lse_after, lse_before, atol=1e-4)  # no attention sag: the mass is all there
+    assert layer.state["merge_error"] <= 1e-4
+    assert float(layer.log_weights.min()) >= 0.0 and float(layer.log_weights.exp().max()) >= 3  # groups of several
+    assert torch.allclose(votes_per_head(layer), torch.tensor([[96.0, 96.0], [70.0, 70.0]], dtype=torch.float64), atol=1e-3)
+
+
+def test_huge_logits_stay_exact_and_finite():
+    layer, context, _, _, _ = random_layer(batch=1, heads=2, group=2, length=64, dim=16, window=8, seed=2)
+    layer.flat_keys = layer.flat_keys * 40  # logits in the hundreds: e^λ overflows float32 and float64 alike
+    layer.set_log_weights(None)
+    view = layer.padded_view()
+    keys, values = view.keys.clone(), view.values.clone()
+    q = reference_query(layer.observations["window_queries"], 2)
+    expected, _ = attend64(q, keys, values, scaling=context.scaling)
+    get_method("keepkv", budget=16, window=8).compress(layer, context)
+    k, v, log_p, _ = held(layer)
+    out, _ = attend64(q, k, v, log_p, context.scaling)
+    assert torch.isfinite(layer.flat_keys).all() and torch.isfinite(layer.log_weights).all()
+    assert relative_error(out, expected) <= 1e-3
+
+
+def test_ratio_one_keeps_everything_untouched():
+    layer, context, _, _, _ = random_layer(length=40, window=8, seed=3)
+    keys = layer.flat_keys.clone()
+    get_method("keepkv", ratio=1.0, window=8).compress(layer, context)
+    assert torch.equal(layer.flat_keys, keys) and layer.log_weights is None
+    assert layer.state["merge_error"] == 0.0
+
+
+def _decode(layer, method, context, steps, start, seed=0, check=None):
+    """Append random tokens one by one, read through the layer (votes included), let the method act."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d = layer.batch_size, layer.num_kv_heads, layer.head_dim
+    for step in range(start, start + steps):
+        key, value = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
+        query = torch.randn(b, 2 * h, 1, d, generator=gen) * 2
+        positions = torch.full((b, 1), step)
+        layer.append(key, value, positions)
+        _, probs = read(_Module(), layer, query, positions, context.scaling, return_probs=True)
+        step_context = LayerContext(0, 4, None, context.scaling, None, query, positions)
+        before = reference_output(query_reference(layer, step_context), *_held_reference_args(layer), context.scaling)[0]
+        method.after_decode_step(layer, probs, step_context)
+        if check is not None:
+            check(layer, step, key, value, query, step_context, before)
+
+
+def _held_reference_args(layer):
+    view = layer.padded_view()
+    votes = layer.padded(layer.log_weights) if layer.log_weights is not None else None
+    return view.keys, view.values, view.positions, view.valid, votes
+
+
+def test_votes_travel_through_decoding_and_the_budget_holds():
+    layer, context, _, _, _ = random_layer(batch=2, heads=2, group=2, length=48, dim=8, window=8, seed=4, lengths=[48, 33])
+    method = get_method("keepkv", budget=16, window=8)
+    method.compress(layer, context)
+    merged_at_prefill = layer.state["merged"]
+
+    def check(layer, step, *_):
+        assert int(layer.head_lengths().max()) <= 16
+        assert float(layer.log_weights.min()) >= -1e-6  # p ≥ 1
+        seen = layer.tokens_seen.double()[:, None].expand(-1, 2)
+        assert torch.allclose(votes_per_head(layer), seen, atol=1e-3)  # nothing dropped: every token is somewhere
+
+    _decode(layer, method, context, steps=20, start=48, check=check)
+    assert layer.state["merged"] == merged_at_prefill + 20 * 4  # one merge per head and step once full
+
+
+def test_decoding_merges_are_exact_for_the_current_query():
+    layer, context, _, _, _ = random_layer(heads=2, group=2, length=40, dim=8, window=8, seed=5)
+    method = get_method("keepkv", budget=12, window=8)
+    method.compress(layer, context)
+
+    def check(layer, step, key, value, query, step_context, before):
+        after = reference_output(query_reference(layer, step_context), *_held_reference_args(layer), context.scaling)[0]
+        assert relative_error(after, before) <= 1e-4
+
+    _decode(layer, method, context, steps=10, start=40, check=check)
+
+
+def test_slack_lets_heads_grow_then_merges_back():
+    layer, context, _, _, _ = random_layer(length=40, dim=8, window=8, seed=6)
+    method = get_method("keepkv", budget=12, window=8, slack=4)
+    method.compress(layer, context)
+    lengths = []
+    _decode(layer, method, context, steps=15, start=40, check=lambda layer, *_: lengths.append(int(layer.head_lengths().max())))
+    assert max(lengths) == 16 and 12 in lengths[1:]
+
+
+def test_ema_importance_is_bias_corrected():
+    layer, context, _, _, _ = random_layer(length=30, dim=8, window=8, seed=7)
+    method = get_method("keepkv", ratio=1.0, window=8, ema_decay=0.5)
+    method.compress(layer, context)
+    layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[30]]))
+    probs = torch.zeros(1, 2, 2, 1, 31)
+    probs[..., -1] = 0.7  # the new entry receives 0.7 from both query heads at its first update
+    method.after_decode_step(layer, probs, LayerContext(0, 4, None, context.scaling, None, torch.randn(1, 4, 1, 8), torch.tensor([[30]])))
+    assert float(method.importance(layer)[0, 0, -1]) == pytest.approx(0.7)  # not (1 − α)·0.7
+
+
+def _orthogonal_layer(length=40, dim=8, seed=8):
+    """Keys orthogonal to every window query: every reference logit is 0, so Σ w λ = 0 in each group."""
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(1, 2, length, dim, generator=gen), torch.randn(1, 2, length, dim, generator=gen)
+    keys[..., 0] = 0.0
+    layer = LayerCache(0, 2, dim)
+    layer.append(keys, values, torch.arange(length).expand(1, length))
+    queries = torch.zeros(1, 4, 8, dim)
+    queries[..., 0] = torch.randn(1, 4, 8, generator=gen)
+    layer.observations["window_queries"] = queries
+    layer.observations["window_positions"] = torch.arange(length - 8, length).expand(1, 8)
+    return layer, LayerContext(0, 4, None, dim**-0.5)
+
+
+def test_cancelling_logits_fall_back_to_the_convex_key_merge_and_are_counted():
+    layer, context = _orthogonal_layer()
+    get_method("keepkv", budget=16, window=8).compress(layer, context)
+    carriers = int((layer.log_weights > 1e-6).sum())
+    assert carriers > 0 and layer.state["zip_fallbacks"] == carriers
+    assert any("fallbacks" in note for note in layer.notes)
+    assert layer.state["merge_error"] <= 1e-5  # all logits are 0: the convex key is exact here too
+
+
+def test_zip_guard_on_a_pair_whose_weighted_logits_cancel():
+    # w_c λ_c + w_e λ_e = 0 with λ_c = 0.1: solve λ e^λ = −0.1·e^{0.1} for λ_e (Newton)
+    target, lam = -0.1 * torch.exp(torch.tensor(0.1, dtype=torch.float64)), torch.tensor(-0.12, dtype=torch.float64)
+    for _ in range(50):
+        lam = lam - (lam * lam.exp() - target) / ((1 + lam) * lam.exp())
+    plan = MergePlan(
+        keep=torch.tensor([[[True, False]]]), merged=torch.tensor([[[False, True]]]), dropped=torch.tensor([[[False, False]]]),
+        target=torch.tensor([[[0, 0]]]), similarity=torch.tensor([[[float("-inf"), 0.9]]]),
+    )
+    keys, values = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4)
+    logits = torch.tensor([[[0.1, float(lam)]]], dtype=torch.float64)
+    result = zip_merge(keys, values, torch.zeros(1, 1, 2), logits, plan)
+    assert result.fallbacks == 1 and torch.isfinite(result.keys).all()
+    assert result.log_votes[0, 0, 0] == pytest.approx(torch.log(torch.tensor(2.0)))
+    healthy = zip_merge(keys, values, torch.zeros(1, 1, 2), torch.tensor([[[0.1, 0.5]]], dtype=torch.float64), plan)
+    assert healthy.fallbacks == 0
+
+
+def test_similarity_threshold_drops_instead_of_merging():
+    base, context, _, _, _ = random_layer(heads=2, length=64, dim=8, window=8, seed=9)
+    strict, loose = base.clone(), base.clone()
+    get_method("keepkv", budget=16, window=8, similarity_threshold=0.9).compress(strict, context)
+    get_method("keepkv", budget=16, window=8, similarity_threshold=-1.0).compress(loose, context)
+    assert strict.state["dropped"] > 0 and loose.state["dropped"] == 0
+    assert strict.state["dropped"] + strict.state["merged"] == loose.state["merged"] == 2 * (64 - 16)
+    total = float(votes_per_head(strict).sum())
+    assert total == pytest.approx(2 * 64 - strict.state["dropped"], abs=1e-3)  # a dropped token leaves its vote too
+    assert strict.state["merge_error"] > 1e-3 and loose.state["merge_error"] <= 1e-4
+
+
+def test_refresh_brings_the_error_back_to_its_post_compression_level():
+    layer, context, queries, _, _ = random_layer(heads=2, group=2, length=48, dim=8, window=8, seed=10)
+    full_keys, full_values = [layer.padded_view().keys.clone()], [layer.padded_view().values.clone()]
+    all_queries = [queries]
+    method = get_method("keepkv", budget=12, window=8, refresh_every=4)
+    method.compress(layer, context)
+    post_compression = layer.state["merge_error"]
+    assert post_compression <= 1e-4
+    assert layer.state["external_kv_bytes"] == layer.state[EXTERNAL].size_bytes() > 0
+    errors = {}
+
+    def check(layer, step, key, value, query, *_):
+        full_keys.append(key)
+        full_values.append(value)
+        all_queries.append(query)
+        q = reference_query(torch.cat(all_queries, dim=2)[:, :, -8:], 2)  # the last window of queries
+        expected, _ = attend64(q, torch.cat(full_keys, 2), torch.cat(full_values, 2), scaling=context.scaling)
+        k, v, log_p, _ = held(layer)
+        errors[step] = relative_error(attend64(q, k, v, log_p, context.scaling)[0], expected)
+
+    _decode(layer, method, context, steps=12, start=48, check=check)
+    assert layer.state["refreshes"] == 3
+    for step in (51, 55, 59):  # after the 4th, 8th and 12th decoded token
+        assert errors[step] <= 1e-4
+    assert max(e for s, e in errors.items() if s not in (51, 55, 59)) > 1e-3  # in between, decoding merges drift
+    assert layer.state["merge_error"] <= 1e-4 and int(layer.head_lengths().max()) <= 12
+    entries = layer.num_entries * (2 * 8 * 4 + 4 + 4 + 2 * 4) + 2 * 8  # K, V, position, vote, EMA pair; lengths
+    assert layer.nbytes() == entries  # the CPU copy is not counted in kr
+
+
+def test_cache_reports_merge_error_and_kr_with_a_tiny_model():
+    model = tiny_model(seed=2)
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(4))
+    cache = CompressedCache(model, get_method("keepkv", budget=16, window=8))
+    model(ids, past_key_values=cache)
+    assert cache.merge_error is not None and cache.merge_error <= 1e-4
+    assert all(layer.num_entries == 2 * 16 for layer in cache.layers)
+    stats = cache.stats()
+    assert stats["kr"] < 0.5 and not any("fallback" in n for n in stats["notes"])

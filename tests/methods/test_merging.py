@@ -1,0 +1,126 @@
+"""Merging machinery and the convex baselines (CaM, D2O): attention sag against KeepKV's exactness."""
+
+import pytest
+import torch
+
+from common import random_layer, tiny_model
+from kvcompress import CompressedCache, get_method
+from kvcompress.attention import group_queries
+from kvcompress.methods.merging import MergePlan, group_combine, nearest_carriers, relative_error
+
+
+def _reference_output(layer, q, scaling):
+    """q [B, H, d] float64 over what the layer holds (votes included): output [B, H, d], lse [B, H]."""
+    view = layer.padded_view()
+    logits = torch.einsum("bhd,bhld->bhl", q, view.keys.double()) * scaling
+    if layer.log_weights is not None:
+        logits = logits + layer.padded(layer.log_weights).double()
+    if view.valid is not None:
+        logits = logits.masked_fill(~view.valid, float("-inf"))
+    return torch.einsum("bhl,bhld->bhd", torch.softmax(logits, -1), view.values.double()), torch.logsumexp(logits, -1)
+
+
+@pytest.mark.parametrize("name,options", [("keepkv", {}), ("cam", {}), ("d2o", {"similarity_threshold": -1.0}), ("d2o", {})])
+def test_both_sides_of_the_argument(name, options):
+    """KeepKV keeps q̄'s output and attention mass; convex merges lose mass (attention sag) and the output."""
+    layer, context, _, _, _ = random_layer(batch=2, heads=2, group=2, length=96, dim=16, window=8, seed=1, lengths=[96, 70])
+    q = group_queries(layer.observations["window_queries"].double(), 2).mean(dim=(2, 3))
+    expected, lse_before = _reference_output(layer, q, context.scaling)
+    get_method(name, budget=24, window=8, **options).compress(layer, context)
+    out, lse_after = _reference_output(layer, q, context.scaling)
+    error = relative_error(out, expected)
+    assert layer.state["merge_error"] == pytest.approx(error, rel=1e-3, abs=1e-6)
+    if name == "keepkv":
+        assert error <= 1e-4 and layer.state.get("zip_fallbacks", 0) == 0
+        assert torch.allclose(lse_after, lse_before, atol=1e-4)
+    else:
+        assert layer.log_weights is None  # no votes
+        assert bool((lse_after < lse_before).all())  # Σ_j exp(logit_j) shrank in every head
+        assert error > 1e-3
+        if options:
+            assert layer.state["dropped"] == 0  # pure merging: the mass went in the convex mix itself
+
+
+def test_cam_keeps_carrier_keys_and_d2o_mixes_them():
+    layer, context, _, _, _ = random_layer(length=64, dim=8, window=8, seed=2)
+    keys = layer.padded_view().keys.clone()
+    cam, d2o = layer.clone(), layer.clone()
+    get_method("cam", budget=16, window=8).compress(cam, context)
+    get_method("d2o", budget=16, window=8, similarity_threshold=-1.0).compress(d2o, context)
+    for compressed, same in ((cam, True), (d2o, False)):
+        view = compressed.padded_view()
+        original = keys.gather(2, view.positions[..., None].expand(-1, -1, -1, 8))
+        assert torch.equal(view.positions, view.positions.sort(-1).values)  # entries stay in position order
+        assert torch.equal(view.keys, original) == same
+
+
+def test_d2o_moving_threshold_drops_the_least_similar_half_or_so():
+    layer, context, _, _, _ = random_layer(batch=2, length=80, dim=8, window=8, seed=3)
+    get_method("d2o", budget=16, window=8).compress(layer, context)
+    threshold = layer.state["d2o_threshold"]
+    assert len(threshold) == 2 and all(-1.0 < t < 1.0 for t in threshold)
+    assert 0 < layer.state["dropped"] < 2 * 2 * 64 and layer.state["merged"] + layer.state["dropped"] == 2 * 2 * 64
+
+
+def test_nearest_carriers_matches_a_loop():
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(2, 3, 30, 8, generator=gen)
+    candidates = torch.rand(2, 3, 30, generator=gen) < 0.5
+    carriers = ~candidates & (torch.rand(2, 3, 30, generator=gen) < 0.6)
+    similarity, index = nearest_carriers(keys, candidates, carriers, chunk=4)
+    unit = keys / keys.norm(dim=-1, keepdim=True)
+    for b in range(2):
+        for h in range(3):
+            allowed = carriers[b, h].nonzero().flatten()
+            for i in range(30):
+                if not candidates[b, h, i]:
+                    assert index[b, h, i] == i and similarity[b, h, i] == float("-inf")
+                    continue
+                sims = unit[b, h, allowed] @ unit[b, h, i]
+                assert int(index[b, h, i]) == int(allowed[sims.argmax()])
+                assert float(similarity[b, h, i]) == pytest.approx(float(sims.max()), abs=1e-6)
+
+
+def test_group_combine_is_a_shifted_weighted_mean():
+    keep = torch.tensor([[[True, True, False, False, False]]])
+    merged = torch.tensor([[[False, False, True, True, False]]])  # entry 4 is dropped
+    plan = MergePlan(keep=keep, merged=merged, dropped=~keep & ~merged, target=torch.tensor([[[0, 1, 0, 0, 4]]]),
+                     similarity=torch.zeros(1, 1, 5))
+    x = torch.randn(1, 1, 5, 3)
+    log_w = torch.tensor([[[900.0, -3.0, 901.0, 899.0, 5.0]]])  # e^900 overflows even float64
+    mean, log_total = group_combine(x, log_w, plan)
+    w = torch.softmax(torch.tensor([900.0, 901.0, 899.0], dtype=torch.float64), 0)
+    assert torch.allclose(mean[0, 0, 0], (w[:, None] * x[0, 0, [0, 2, 3]].double()).sum(0))
+    assert torch.allclose(mean[0, 0, 1], x[0, 0, 1].double())
+    assert float(log_total[0, 0, 0]) == pytest.approx(float(torch.logsumexp(torch.tensor([900.0, 901.0, 899.0], dtype=torch.float64), 0)))
+
+
+@pytest.mark.parametrize("name", ["keepkv", "cam", "d2o"])
+def test_padded_batch_matches_per_sample_runs(name):
+    model = tiny_model(seed=3)
+    gen = torch.Generator().manual_seed(2)
+    lengths = [64, 41]
+    rows = [torch.randint(3, 128, (1, n), generator=gen) for n in lengths]
+    batch = torch.zeros(2, 64, dtype=torch.long)
+    mask = torch.zeros(2, 64, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, 64 - row.shape[1] :] = row
+        mask[i, 64 - row.shape[1] :] = 1
+    method = get_method(name, budget=24)
+    generate = lambda ids, cache, m=None: model.generate(ids, attention_mask=m, past_key_values=cache, max_new_tokens=8,  # noqa: E731
+                                                         do_sample=False, pad_token_id=0)
+    batched = generate(batch, CompressedCache(model, method), mask)
+    for i, row in enumerate(rows):
+        alone = generate(row, CompressedCache(model, method))
+        assert batched[i, 64:].tolist() == alone[0, row.shape[1] :].tolist(), (name, i)
+
+
+@pytest.mark.parametrize("name", ["keepkv", "cam", "d2o"])
+def test_decoding_keeps_the_budget_in_a_model(name):
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(5))
+    cache = CompressedCache(model, get_method(name, budget=16))
+    model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    for layer in cache.layers:
+        assert int(layer.head_lengths().max()) <= 16
+    assert cache.merge_error is not None
