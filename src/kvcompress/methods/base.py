@@ -86,12 +86,13 @@ class Method:
 
     # ----- budgets --------------------------------------------------------------------------
     def row_budgets(self, layer: LayerCache) -> torch.Tensor:
-        """Entries per KV head for each batch row [B] (int64): the budget, or ratio × real tokens."""
+        """Entries per KV head for each batch row [B] (int64): the budget, or ⌊ratio × real tokens⌋
+        (floored, as kvpress does, so that both keep the same number of entries)."""
         tokens = layer.tokens_seen
         if self.budget is not None:
             budgets = torch.full_like(tokens, self.budget)
         else:
-            budgets = torch.clamp((tokens.double() * self.ratio).round().long(), min=1)
+            budgets = torch.clamp((tokens.double() * self.ratio + 1e-9).floor().long(), min=1)
         if bool((budgets >= tokens).any()):
             layer.notes.add("budget >= context length for some rows: everything kept there")
         return torch.minimum(budgets, tokens)
