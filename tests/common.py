@@ -57,3 +57,16 @@ def kept_positions(layer) -> list[list[list[int]]]:
             i += n
         out.append(heads)
     return out
+
+
+def left_padded_batch(lengths: list[int], seed: int = 0, vocab: int = 128):
+    """Random rows of the given lengths, left-padded into one batch: (rows, ids [B, n], mask [B, n])."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, vocab, (1, n), generator=gen) for n in lengths]
+    width = max(lengths)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, width - row.shape[1] :] = row
+        mask[i, width - row.shape[1] :] = 1
+    return rows, batch, mask

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common import tiny_model
+from common import left_padded_batch, tiny_model
 from kvcompress import CompressedCache, available_methods, get_method
 from kvcompress.cache import LayerCache
 from kvcompress.methods import REGISTRY
@@ -40,14 +40,7 @@ def test_plain_caches_still_work_after_switching_attention():
 @pytest.mark.parametrize("name", ["full", "snapkv", "adakv", "h2o", "streamingllm", "pyramidkv", "momentkv"])
 def test_padded_batch_matches_per_sample_runs(name):
     model = tiny_model(seed=3)
-    gen = torch.Generator().manual_seed(2)
-    lengths = [64, 41]
-    rows = [torch.randint(3, 128, (1, n), generator=gen) for n in lengths]
-    batch = torch.zeros(2, 64, dtype=torch.long)
-    mask = torch.zeros(2, 64, dtype=torch.long)
-    for i, row in enumerate(rows):
-        batch[i, 64 - row.shape[1] :] = row
-        mask[i, 64 - row.shape[1] :] = 1
+    rows, batch, mask = left_padded_batch([64, 41], seed=2)
     method = get_method(name, budget=24) if name != "full" else get_method("full")
     cache = CompressedCache(model, method)
     batched = _generate(model, batch, cache, mask)

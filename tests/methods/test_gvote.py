@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from common import kept_positions, random_layer, tiny_model
+from common import kept_positions, left_padded_batch, random_layer, tiny_model
 from conftest import tiny_config, tiny_tokenizer
 from kvcompress import CompressedCache, get_method
 from kvcompress.cache import LayerContext
@@ -307,14 +307,7 @@ def test_qwen3_qk_norm_path_compresses_and_decodes():
 
 def test_padded_batch_matches_per_sample_runs():
     model = sharp_model(seed=3)
-    gen = torch.Generator().manual_seed(2)
-    lengths = [64, 41]
-    rows = [torch.randint(3, 128, (1, n), generator=gen) for n in lengths]
-    batch = torch.zeros(2, 64, dtype=torch.long)
-    mask = torch.zeros(2, 64, dtype=torch.long)
-    for i, row in enumerate(rows):
-        batch[i, 64 - row.shape[1] :] = row
-        mask[i, 64 - row.shape[1] :] = 1
+    rows, batch, mask = left_padded_batch([64, 41], seed=2)
     method = get_method("gvote")
     cache = CompressedCache(model, method)
     batched = model.generate(batch, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)

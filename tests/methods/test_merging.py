@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common import random_layer, tiny_model
+from common import left_padded_batch, random_layer, tiny_model
 from kvcompress import CompressedCache, get_method
 from kvcompress.attention import group_queries
 from kvcompress.methods.merging import MergePlan, group_combine, nearest_carriers, relative_error
@@ -98,14 +98,7 @@ def test_group_combine_is_a_shifted_weighted_mean():
 @pytest.mark.parametrize("name", ["keepkv", "cam", "d2o"])
 def test_padded_batch_matches_per_sample_runs(name):
     model = tiny_model(seed=3)
-    gen = torch.Generator().manual_seed(2)
-    lengths = [64, 41]
-    rows = [torch.randint(3, 128, (1, n), generator=gen) for n in lengths]
-    batch = torch.zeros(2, 64, dtype=torch.long)
-    mask = torch.zeros(2, 64, dtype=torch.long)
-    for i, row in enumerate(rows):
-        batch[i, 64 - row.shape[1] :] = row
-        mask[i, 64 - row.shape[1] :] = 1
+    rows, batch, mask = left_padded_batch([64, 41], seed=2)
     method = get_method(name, budget=24)
     generate = lambda ids, cache, m=None: model.generate(ids, attention_mask=m, past_key_values=cache, max_new_tokens=8,  # noqa: E731
                                                          do_sample=False, pad_token_id=0)
