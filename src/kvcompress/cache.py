@@ -466,6 +466,8 @@ class CompressedCache(Cache):
         full_entries = sum(layer.full_entries() for layer in self.layers)
         heads = sum(layer.batch_size * layer.num_kv_heads for layer in self.layers)
         notes = sorted(set().union(*(layer.notes for layer in self.layers)))
+        merge_counts = {name: sum(int(layer.state.get(name, 0)) for layer in self.layers)
+                        for name in ("merged", "merge_groups", "dropped", "zip_fallbacks")}
         return {
             "kr": held / full if full else 1.0,
             "cr": entries / full_entries if full_entries else 1.0,
@@ -475,6 +477,7 @@ class CompressedCache(Cache):
             "entries_full": full_entries,
             "entries_per_head": entries / heads if heads else 0.0,  # mean realized budget per (layer, row, KV head)
             "notes": notes,
+            **({"merge_counts": merge_counts} if any(merge_counts.values()) else {}),
         }
 
 

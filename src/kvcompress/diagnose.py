@@ -70,6 +70,7 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
             "rel_error_per_layer": errors, "rel_error": sum(errors) / len(errors),
             "kl": float(kl), "ppl_ratio": float(torch.exp(nll - full_nll)),
             "rel_error_at_merge": 0.0 if method.name == "full" else compressed.merge_error,
+            **({"merge_counts": stats["merge_counts"]} if "merge_counts" in stats else {}),
         })
     return rows
 

@@ -31,8 +31,15 @@ Protocol (Algorithm 1 of the paper; the shared machinery is ``merging.MergingMet
   The paper keeps the prompt's K/V only; keeping the decoded tokens too makes the rebuild
   complete (a decoded token merged into a prompt carrier would otherwise be lost).
 
-Guard: where Σ w_i λ_i cancels (|Σ w λ| ≤ fallback_eps·Σ w |λ|) the key falls back to the
-convex merge; fallbacks are counted in ``state["zip_fallbacks"]`` and noted in the stats.
+Key rule (``key_rule``, see ``merging.zip_merge``): the paper's ZIP key k_r = k̄·T/λ̄ scales
+the weighted mean key by a factor that is unbounded where λ̄ = τ·q̄ᵀk̄ is small. On SmolLM2 it
+produced keys of norm 3600 (real keys: ≤ 27): exact for q̄, a disaster for every other query
+(diagnose at 1536 tokens, budget 128: relative error 1.06 against CaM's 0.22). So by default
+a group whose factor leaves [1/1.25, 1.25] falls back to the ``votes`` rule — the convex key,
+with the sagged mass moved into the vote (also exact for q̄) — counted in
+``state["zip_fallbacks"]`` and noted in the stats. ``max_key_scale=inf`` is the paper's rule;
+``key_rule="votes"`` and ``"shift"`` (minimal key change along q̄) are the alternatives
+measured in docs/results.md.
 
 Defaults: sinks 4 (METHODS.md's s), window 32, recent window = the observation window
 (capped at half of what the sinks leave of the budget, so carriers exist), EMA decay 0.9
@@ -50,7 +57,7 @@ from typing import ClassVar
 import torch
 
 from ..cache import POSITION_DTYPE
-from .merging import Merged, MergingMethod, log_votes_of, window_query_valid, zip_merge
+from .merging import KEY_RULES, Merged, MergingMethod, log_votes_of, window_query_valid, zip_merge
 
 EXTERNAL = "external_kv"
 
@@ -98,13 +105,15 @@ class ExternalKV:
 class KeepKV(MergingMethod):
     """Electoral votes + ZIP-merging, EMA importance, optional periodic refresh (see the module docstring).
 
-    Options: fallback_eps (relative size of Σ w λ under which the key merge falls back to
-    convex, 1e-3), refresh_every (T decoded tokens between refreshes, 0 = off), plus
+    Options: key_rule ("zip", "votes" or "shift"), max_key_scale (the zip key's largest
+    scale factor before the group falls back to the votes rule, 1.25; inf = the paper),
+    refresh_every (T decoded tokens between refreshes, 0 = off), plus
     MergingMethod's sinks, recent, ema_decay, similarity_threshold, slack and SnapKV's
     window, kernel, pooling and budget allocations.
     """
 
-    fallback_eps: float = 1e-3
+    key_rule: str = "zip"
+    max_key_scale: float = 1.25
     refresh_every: int = 0
 
     name: ClassVar[str] = "keepkv"
@@ -112,11 +121,14 @@ class KeepKV(MergingMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.fallback_eps <= 0 or self.refresh_every < 0:
-            raise ValueError("fallback_eps must be > 0 and refresh_every ≥ 0")
+        if self.key_rule not in KEY_RULES:
+            raise ValueError(f"unknown key_rule {self.key_rule!r}: use one of {', '.join(KEY_RULES)}")
+        if not self.max_key_scale >= 1.0 or self.refresh_every < 0:
+            raise ValueError("max_key_scale must be ≥ 1 (inf for the paper's unbounded rule) and refresh_every ≥ 0")
 
     def merge_rule(self, layer, view, plan, ref, scaling) -> Merged:
-        return zip_merge(view.keys, view.values, log_votes_of(layer), ref.logits(view.keys, scaling), plan, self.fallback_eps)
+        return zip_merge(view.keys, view.values, log_votes_of(layer), ref.logits(view.keys, scaling), plan,
+                         key_rule=self.key_rule, max_key_scale=self.max_key_scale, query=ref.query, scaling=scaling)
 
     # ----- prefill ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -27,6 +27,7 @@ over its group while decoding). With GQA the other query heads of the group are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -212,37 +213,69 @@ class Merged:
     fallbacks: int = 0
 
 
+KEY_RULES = ("zip", "votes", "shift")
+PAPER_EPS = 1e-3  # the paper's guard: |Σ w λ| ≤ eps·Σ w |λ| counts as a zero denominator
+
+
 def zip_merge(
-    keys: torch.Tensor, values: torch.Tensor, log_votes: torch.Tensor, logits: torch.Tensor, plan: MergePlan,
-    eps: float = 1e-3,
+    keys: torch.Tensor, values: torch.Tensor, log_votes: torch.Tensor, logits: torch.Tensor, plan: MergePlan, *,
+    key_rule: str = "zip", max_key_scale: float = 1.25, query: torch.Tensor | None = None, scaling: float = 1.0,
 ) -> Merged:
     """KeepKV's ZIP-merge of each group at once (METHODS.md, "KeepKV"), exact for the reference query.
 
-    With λ_i = τ·q̄ᵀk_i and log w_i = log p_i + λ_i over a group {carrier} ∪ {candidates}:
-    v_r = Σ w_i v_i / Σ w_i, k_r = (Σ w_i k_i)·log(Σ w_i / Σ p_i) / (Σ w_i λ_i), p_r = Σ p_i,
-    so that τ·q̄ᵀk_r = log(Σ w_i / Σ p_i) and p_r·e^{τ q̄ᵀk_r} = Σ w_i: the group's share of
-    the softmax numerator and denominator is unchanged (the two-entry formula applied to a
-    whole group at once; pairwise merges one after the other are exact too, with another
-    key). The common scale of the w_i cancels, so everything is computed from shifted
-    weights in float64.
+    With λ_i = τ·q̄ᵀk_i and log w_i = log p_i + λ_i over a group {carrier} ∪ {candidates}, the
+    merged entry must satisfy p_r·e^{τ q̄ᵀk_r} = Σ w_i (the group's share of the softmax numerator
+    and denominator is unchanged) with v_r = Σ w_i v_i / Σ w_i. Write k̄ = Σ w_i k_i / Σ w_i
+    (so τ q̄ᵀk̄ = λ̄ = Σ w_i λ_i / Σ w_i) and T = log(Σ w_i / Σ p_i). The key rules:
 
-    Guard: where |Σ w_i λ_i| ≤ eps·Σ w_i |λ_i| (the weighted logits cancel, k_r would blow up),
-    the key falls back to the convex merge Σ w_i k_i / Σ w_i (not exact); these are counted.
+    * ``zip`` (the paper): k_r = k̄·T/λ̄, p_r = Σ p_i, so τ q̄ᵀk_r = T. The factor T/λ̄ is
+      unbounded: where λ̄ is small against T it scales the key far beyond any real key
+      (on SmolLM2, norms of 3600 against 22), which is exact for q̄ and ruins every other
+      query. Where T/λ̄ ∉ [1/max_key_scale, max_key_scale] (or is negative or not finite)
+      the merge falls back to ``votes`` for that group (exact too; counted in ``fallbacks``).
+      ``max_key_scale=inf`` is the paper's rule and guard: any factor, sign flips included,
+      unless |Σ w λ| ≤ 1e-3·Σ w |λ| (the denominator near zero).
+    * ``votes``: k_r = k̄ and log p_r = log Σ w_i − λ̄: the mass that the convex key loses
+      (attention sag) goes into the vote. log p_r = H(w̃) + E_w̃[log p] with w̃ = w/Σw, so
+      1 ≤ p_r ≤ Σ p_i: the vote becomes the group's effective number of tokens for q̄.
+    * ``shift``: k_r = k̄ + (T − λ̄)/τ · q̄/‖q̄‖², p_r = Σ p_i: the smallest change of k̄ that
+      meets the constraint (needs ``query`` q̄ [B, H, d] and ``scaling`` τ).
+
+    The common scale of the w_i cancels, so everything is computed from shifted weights in float64.
     """
+    if key_rule not in KEY_RULES:
+        raise ValueError(f"unknown key_rule {key_rule!r}: use one of {', '.join(KEY_RULES)}")
     log_w = log_votes.double() + logits
     k_mean, log_total = group_combine(keys, log_w, plan)
     v_mean, _ = group_combine(values, log_w, plan)
-    lam = torch.stack([logits, logits.abs()], dim=-1)
-    lam_mean = group_combine(lam, log_w, plan)[0]  # Σ w λ / Σ w and Σ w |λ| / Σ w
+    lam_bar = group_combine(logits[..., None], log_w, plan)[0][..., 0]  # λ̄ = τ q̄ᵀk̄
     _, log_p = group_combine(torch.zeros_like(logits), log_votes, plan)  # log Σ p
+    target = log_total - log_p  # T: the logit the merged entry needs with Σ p votes
     carriers = plan.carriers
-    fallback = carriers & (lam_mean[..., 0].abs() <= eps * lam_mean[..., 1])
-    scale = (log_total - log_p) / torch.where(fallback, torch.ones_like(log_p), lam_mean[..., 0])
-    k_zip = torch.where(fallback[..., None], k_mean, k_mean * scale[..., None])
+    sag_votes = log_total - lam_bar  # log p_r of the ``votes`` rule
+    fallback = torch.zeros_like(carriers)
+    if key_rule == "zip":
+        scale = target / lam_bar
+        if math.isinf(max_key_scale):  # the paper's guard only: Σ w λ near 0 against Σ w |λ|
+            lam_abs = group_combine(logits.abs()[..., None], log_w, plan)[0][..., 0]
+            in_range = torch.isfinite(scale) & (lam_bar.abs() > PAPER_EPS * lam_abs)
+        else:
+            in_range = torch.isfinite(scale) & (scale >= 1.0 / max_key_scale) & (scale <= max_key_scale)
+        fallback = carriers & ~in_range
+        k_new = torch.where(fallback[..., None], k_mean, k_mean * torch.where(in_range, scale, 1.0)[..., None])
+        log_p_new = torch.where(fallback, sag_votes, log_p)
+    elif key_rule == "votes":
+        k_new, log_p_new = k_mean, sag_votes
+    else:
+        if query is None:
+            raise ValueError("key_rule='shift' needs the reference query")
+        q = query.double()[:, :, None, :]
+        step = (target - lam_bar) / scaling / (q * q).sum(-1).clamp(min=1e-30)
+        k_new, log_p_new = k_mean + step[..., None] * q, log_p
     return Merged(
-        keys=torch.where(carriers[..., None], k_zip.to(keys.dtype), keys),
+        keys=torch.where(carriers[..., None], k_new.to(keys.dtype), keys),
         values=torch.where(carriers[..., None], v_mean.to(values.dtype), values),
-        log_votes=torch.where(carriers, log_p.float(), log_votes.float()),
+        log_votes=torch.where(carriers, log_p_new.float(), log_votes.float()),
         fallbacks=int(fallback.sum()),
     )
 
@@ -451,11 +484,12 @@ class MergingMethod(SnapKV):
     def _count(self, layer, plan: MergePlan, result: Merged) -> None:
         state = layer.state
         state["merged"] = state.get("merged", 0) + int(plan.merged.sum())
+        state["merge_groups"] = state.get("merge_groups", 0) + int(plan.carriers.sum())
         state["dropped"] = state.get("dropped", 0) + int(plan.dropped.sum())
         if result.fallbacks:
             state["zip_fallbacks"] = state.get("zip_fallbacks", 0) + result.fallbacks
-            layer.notes = {n for n in layer.notes if not n.startswith(f"{self.name}: layer {layer.layer_idx} ")}
-            layer.notes.add(f"{self.name}: layer {layer.layer_idx} {state['zip_fallbacks']} fallbacks to the convex key merge")
+            layer.notes.add(f"{self.name}: ZIP key scales out of range fell back to the votes rule "
+                            "(count: stats['merge_counts']['zip_fallbacks'])")
 
     # ----- decoding --------------------------------------------------------------------------
     def update_importance(self, layer, probs: torch.Tensor, context) -> None:
@@ -504,4 +538,5 @@ __all__ = [
     "nearest_carriers",
     "relative_error",
     "zip_merge",
+    "KEY_RULES",
 ]
