@@ -29,3 +29,14 @@ def test_bench_refuses_contexts_beyond_positions():
         assert "exceeds the model's 512 positions" in str(error)
     else:
         raise AssertionError("expected a ValueError")
+
+
+def test_bench_reports_the_bytes_keepkv_keeps_off_the_device_for_refresh():
+    model = tiny_model()
+    methods = [get_method("full"), get_method("keepkv", budget=16, window=8, refresh_every=2)]
+    rows = bench(model, None, methods, context_tokens=64, decode_tokens=4, progress=False)
+    full, keep = rows[1], rows[2]
+    assert full["offloaded_bytes"] == 0
+    # the uncompressed K/V of all 64 + 4 tokens (float32), positions and validity, and the last 8 queries
+    assert keep["offloaded_bytes"] >= 2 * (2 * 68 * 2 * 16 * 4) + 2 * (8 * 4 * 16 * 4)
+    assert keep["kv_bytes"] < full["kv_bytes"] / 2

@@ -1,7 +1,8 @@
 """``kvcompress bench``: speed and memory of each method against the full cache, in one run.
 
-For a context length and batch size: prefill time, compression time, decode ms per token,
-KV bytes held and peak memory, each also as a ratio to ``full`` measured in the same run
+For a context length and batch size: prefill time, compression time, decode ms per token
+(KeepKV's periodic refreshes included), KV bytes held, bytes kept off the accelerator
+(KeepKV's CPU copy for refresh) and peak memory, each also as a ratio to ``full`` measured in the same run
 (these machines are noisy; only same-run ratios are comparable). Peak memory is the
 process's peak resident set size growth on CPU (sampled every millisecond from
 /proc/self/statm) and ``torch.cuda.max_memory_allocated`` on GPU.
@@ -99,8 +100,9 @@ def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_toke
             next_ids = logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         decode_wall = time.perf_counter() - start
+        after_decode = cache.stats()
     return {
-        "method": method.name if method else "hf_dynamic_cache",
+        "method": method.variant if method else "hf_dynamic_cache",
         "budget": method.budget if method else None,
         "ratio": method.ratio if method else None,
         "prefill_s": prefill_wall - cache.timings["compress_s"],
@@ -109,6 +111,7 @@ def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_toke
         "kv_bytes": compressed["kv_bytes"], "kv_bytes_full": compressed["kv_bytes_full"],
         "kr": compressed["kr"], "cr": compressed["cr"],
         "peak_bytes": memory["peak_bytes"],
+        "offloaded_bytes": after_decode.get("offloaded_bytes", 0),  # held off the accelerator (KeepKV refresh)
     }
 
 

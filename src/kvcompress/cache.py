@@ -468,6 +468,7 @@ class CompressedCache(Cache):
         notes = sorted(set().union(*(layer.notes for layer in self.layers)))
         merge_counts = {name: sum(int(layer.state.get(name, 0)) for layer in self.layers)
                         for name in ("merged", "merge_groups", "dropped", "zip_fallbacks")}
+        offloaded = sum(int(layer.state.get("external_kv_bytes", 0)) for layer in self.layers)  # KeepKV's CPU copy, not in kr
         return {
             "kr": held / full if full else 1.0,
             "cr": entries / full_entries if full_entries else 1.0,
@@ -478,6 +479,7 @@ class CompressedCache(Cache):
             "entries_per_head": entries / heads if heads else 0.0,  # mean realized budget per (layer, row, KV head)
             "notes": notes,
             **({"merge_counts": merge_counts} if any(merge_counts.values()) else {}),
+            **({"offloaded_bytes": offloaded} if offloaded else {}),
         }
 
 

@@ -13,13 +13,15 @@ from tqdm import tqdm
 from . import available_methods, generate, get_method, load_model
 from .demo import needle_prompt
 from .eval.tasks import BUILTIN_TASKS
-from .methods import REGISTRY
+from .methods import REGISTRY, parse_method_spec
 
 
-def _method(name: str, budget: int | None, ratio: float | None):
+def _method(spec: str, budget: int | None, ratio: float | None):
+    """A method from its command-line form (``name`` or ``name:option=value:...``) and a size."""
+    name, options = parse_method_spec(spec)
     if name == "full":
-        return get_method("full")
-    return get_method(name, budget=budget, ratio=ratio)
+        return get_method("full", **options)
+    return get_method(name, budget=budget, ratio=ratio, **options)
 
 
 def _quiet_transformers() -> None:
@@ -61,7 +63,7 @@ def cmd_demo(args) -> int:
     runs = [(m, qa) for qa in (False, True) for m in methods]
     rows = []
     for name, query_aware in tqdm(runs, desc="demo", disable=args.quiet):
-        ratio = args.ratio if getattr(REGISTRY.get(name), "needs_budget", True) else None  # adaptive methods size themselves
+        ratio = args.ratio if REGISTRY[parse_method_spec(name)[0]].needs_budget else None  # adaptive methods size themselves
         out = generate(model, tokenizer, prompt.context, prompt.question, _method(name, None, ratio),
                        max_new_tokens=20, query_aware=query_aware)
         rows.append((name, query_aware, out))
@@ -177,12 +179,13 @@ def cmd_bench(args) -> int:
     settings = {k: getattr(args, k) for k in ("methods", "budgets", "ratios", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
                device=str(model.device), threads=torch.get_num_threads())
-    print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         size = r["budget"] if r["budget"] is not None else (f"{r['ratio']:g}" if r["ratio"] is not None else "—")
         print(f"| {r['context_tokens']} | {r['method']} | {size} | {r['prefill_s']:.2f} | {r['compress_s']:.3f} | "
-              f"{r['decode_ms_per_token']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.0f} | "
+              f"{r['decode_ms_per_token']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {r['offloaded_bytes'] / 2**20:.1f} | "
+              f"{r['peak_bytes'] / 2**20:.0f} | "
               f"{r.get('prefill_s_vs_full') or 0:.2f} | {r.get('decode_ms_per_token_vs_full') or 0:.2f} | "
               f"{r.get('kv_bytes_vs_full') or 0:.3f} | {r.get('compress_vs_full_prefill') or 0:.3f} |")
     print(f"results in {out / 'bench.json'}")
@@ -211,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--context", help="the context text")
     src.add_argument("--context-file", help="a file holding the context")
     g.add_argument("--question", required=True)
-    g.add_argument("--method", default="snapkv", choices=available_methods())
+    g.add_argument("--method", default="snapkv",
+                   help=f"a method ({', '.join(available_methods())}), options after colons: keepkv:key_rule=votes")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--budget", type=int, help="entries per KV head")
     size.add_argument("--ratio", type=float, help="fraction of context entries kept")
@@ -228,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     def sweep(p, out, ratios=None, budgets=None):
-        p.add_argument("--methods", default=",".join(available_methods()), help="comma-separated method names")
+        p.add_argument("--methods", default=",".join(available_methods()), help="comma-separated methods; options after colons, e.g. snapkv,keepkv:key_rule=votes")
         size = p.add_mutually_exclusive_group()
         size.add_argument("--budgets", default=budgets, help="comma-separated entries per KV head, e.g. 64,128,256")
         size.add_argument("--ratios", default=ratios, help="comma-separated kept fractions, e.g. 0.1,0.25,0.5")

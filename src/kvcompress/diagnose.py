@@ -65,7 +65,7 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
         kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(full_logits, -1), log_target=True, reduction="batchmean")
         nll = F.cross_entropy(logits, targets)
         rows.append({
-            "method": method.name, "budget": method.budget, "ratio": method.ratio, "label": method.label,
+            "method": method.variant, "budget": method.budget, "ratio": method.ratio, "label": method.label,
             "kr": stats["kr"], "cr": stats["cr"],
             "rel_error_per_layer": errors, "rel_error": sum(errors) / len(errors),
             "kl": float(kl), "ppl_ratio": float(torch.exp(nll - full_nll)),

@@ -73,6 +73,16 @@ def test_method_grid_runs_full_once_and_validates_up_front():
         EvalSettings(methods=["snapkv"], tasks=["niah"])
 
 
+def test_method_specs_carry_options_and_keep_variants_apart():
+    grid = method_grid(EvalSettings(methods=["keepkv", "keepkv:key_rule=votes:max_key_scale=inf", "gvote:p_nuc=0.9"], budgets=[64]))
+    assert [m.variant for m in grid] == ["full", "keepkv", "keepkv[key_rule=votes,max_key_scale=inf]", "gvote[p_nuc=0.9]"]
+    assert grid[2].max_key_scale == float("inf") and grid[2].budget == 64 and grid[3].budget is None
+    with pytest.raises(ValueError, match="has no option"):
+        method_grid(EvalSettings(methods=["snapkv:windw=8"], budgets=[64]))
+    with pytest.raises(ValueError, match="name:option=value"):
+        method_grid(EvalSettings(methods=["snapkv:window"], budgets=[64]))
+
+
 def test_report_table_and_plot(tmp_path):
     rows = [
         {"method": "full", "budget": None, "ratio": None, "task": "a", "n": 2, "score": 90.0, "kr": 1.0, "decode_ms_per_token": 5.0},

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..cache import CompressedCache
 from ..generate import GenerateOutput, answer, build_prompt, check_inputs, prefill
-from ..methods import REGISTRY, Method, get_method
+from ..methods import REGISTRY, Method, get_method, parse_method_spec
 from .metrics import score
 from .tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, Sample, load_task_file, make_task
 
@@ -58,14 +58,15 @@ def method_grid(settings: EvalSettings) -> list[Method]:
     methods (``needs_budget = False``, e.g. gvote) choose their own budget and run once."""
     grid = [get_method("full")]
     sizes = [("budget", b) for b in settings.budgets or []] + [("ratio", r) for r in settings.ratios or []]
-    for name in settings.methods:
-        if name == "full":
+    for spec in settings.methods:
+        name, options = parse_method_spec(spec)
+        if name == "full" and not options:
             continue
-        if not REGISTRY.get(name.strip().lower(), Method).needs_budget:
-            grid.append(get_method(name))
+        if not REGISTRY[name].needs_budget:
+            grid.append(get_method(name, **options))
             continue
         for kind, value in sizes:
-            grid.append(get_method(name, **{kind: value}))
+            grid.append(get_method(name, **{kind: value}, **options))
     return grid
 
 
@@ -143,7 +144,7 @@ def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], settings: 
 def _prediction(sample: Sample, method: Method, out: GenerateOutput) -> Prediction:
     value = score(out.text, sample.answers, sample.metric)
     return Prediction(
-        id=sample.id, task=sample.task, method=method.name, budget=method.budget, ratio=method.ratio,
+        id=sample.id, task=sample.task, method=method.variant, budget=method.budget, ratio=method.ratio,
         answer=out.text, score=value, correct=value >= 1.0, kr=out.stats["kr"], stats=out.stats,
     )
 

@@ -1,11 +1,13 @@
 """The method registry: one file per method, one name per method.
 
 ``get_method(name, budget=... | ratio=..., **options)`` builds a configured method;
-``available_methods()`` lists the names.
+``available_methods()`` lists the names. ``parse_method_spec("keepkv:key_rule=votes:refresh_every=16")``
+reads the command line's form of a method with options.
 """
 
 from __future__ import annotations
 
+import ast
 from dataclasses import fields
 
 from .adakv import AdaKV
@@ -44,4 +46,34 @@ def get_method(name: str, **options) -> Method:
     return cls(**options)
 
 
-__all__ = ["REGISTRY", "Method", "Needs", "ScoreMethod", "available_methods", "get_method"]
+def parse_method_spec(spec: str) -> tuple[str, dict]:
+    """``"name:option=value:..."`` → (name, options). Values are Python literals (numbers, True,
+    None, 'text'); ``inf`` is float("inf"); anything else is kept as a string."""
+    name, *parts = spec.strip().split(":")
+    options = {}
+    for part in parts:
+        key, sep, text = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad method option {part!r} in {spec!r}: write name:option=value, e.g. keepkv:key_rule=votes")
+        options[key.strip()] = _literal(text.strip())
+    if name.strip().lower() not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; available methods: {', '.join(available_methods())}")
+    return name.strip().lower(), options
+
+
+def _literal(text: str):
+    if text.lower() in ("inf", "+inf", "-inf"):
+        return float(text)
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def method_from_spec(spec: str, **size) -> Method:
+    """A method from its command-line form plus a size (``budget=`` or ``ratio=``)."""
+    name, options = parse_method_spec(spec)
+    return get_method(name, **size, **options)
+
+
+__all__ = ["REGISTRY", "Method", "Needs", "ScoreMethod", "available_methods", "get_method", "method_from_spec", "parse_method_spec"]

@@ -64,8 +64,17 @@ class Method:
     def label(self) -> str:
         """``name@budget`` or ``name@ratio`` for tables, then any option changed from its default."""
         size = f"@{self.budget}" if self.budget is not None else (f"@{self.ratio:g}" if self.ratio is not None else "")
+        return self.name + size + self._options_suffix()
+
+    @property
+    def variant(self) -> str:
+        """The name, then any option changed from its default (``keepkv[key_rule=votes]``): the
+        ``method`` of result rows, so that ablations of one method stay apart."""
+        return self.name + self._options_suffix()
+
+    def _options_suffix(self) -> str:
         changed = self.changed_options()
-        return self.name + size + (f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else "")
+        return f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else ""
 
     def changed_options(self) -> dict:
         """Hyperparameters that differ from the method's defaults (budget and ratio aside)."""
