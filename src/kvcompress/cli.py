@@ -103,8 +103,9 @@ def _out_dir(args) -> Path:
 
 
 def cmd_eval(args) -> int:
-    """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png."""
-    from .eval.report import eval_markdown, plot_accuracy_vs_kr, write_jsonl
+    """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png
+    (and accuracy_vs_kr_by_task.png with several tasks)."""
+    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task, write_jsonl
     from .eval.runner import EvalSettings, prediction_record, run_eval
 
     budgets, ratios = _sizes(args)
@@ -122,6 +123,8 @@ def cmd_eval(args) -> int:
     title = f"eval: {_model_name(args)}, {protocol}, {settings.context_tokens} context tokens"
     _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
             settings=vars(settings), wall_s=wall)
+    if len({r["task"] for r in rows} - {"all"}) > 1:
+        plot_accuracy_vs_kr_by_task(rows, out / "accuracy_vs_kr_by_task.png", title)
     print(f"wall time {wall:.0f} s; predictions in {out / 'predictions.jsonl'}")
     return 0
 

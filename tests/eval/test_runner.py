@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_config, tiny_tokenizer
 from kvcompress.cli import main as cli_main
-from kvcompress.eval.report import eval_markdown, plot_accuracy_vs_kr
+from kvcompress.eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
 from kvcompress.eval.runner import EvalSettings, method_grid, prediction_record, run_eval
 
 ROW_KEYS = {"method", "budget", "ratio", "task", "n", "score", "kr", "cr", "kv_bytes", "kv_bytes_full", "entries_per_head",
@@ -93,6 +93,19 @@ def test_report_table_and_plot(tmp_path):
     assert "| snapkv | 0.25 | 50.0 | 0.250 | 4.0 |" in table and table.index("| full") < table.index("| snapkv")
     plot_accuracy_vs_kr(rows, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_adaptive_methods_show_their_kr_per_task(tmp_path):
+    def row(method, task, score, kr, ratio=None):
+        return {"method": method, "budget": None, "ratio": ratio, "task": task, "n": 2, "score": score, "kr": kr, "decode_ms_per_token": 1.0}
+
+    rows = [row("full", t, 90.0, 1.0) for t in ("a", "b")]
+    rows += [row("snapkv", t, s, r, r) for t in ("a", "b") for s, r in ((40.0, 0.25), (60.0, 0.5))]
+    rows += [row("gvote", "a", 55.0, 0.2), row("gvote", "b", 70.0, 0.6)]
+    table = eval_markdown(rows, "t")
+    assert "| gvote | 0.200 | 0.600 |" in table and "| snapkv | 0.200" not in table
+    plot_accuracy_vs_kr_by_task(rows, tmp_path / "tasks.png", "t")
+    assert (tmp_path / "tasks.png").stat().st_size > 1000
 
 
 @pytest.mark.slow

@@ -56,17 +56,52 @@ def eval_markdown(rows: list[dict], title: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     n = max(r["n"] for r in rows if r["task"] != "all")
     lines += ["", f"Scores are 0–100 over {n} samples per task; kr = KV bytes held ÷ full cache bytes."]
+    adaptive = sorted({m for m, b, r in _order(rows) if m != "full" and b is None and r is None})
+    if adaptive and tasks:
+        lines += ["", "Realized kr per task (methods that choose their own budget):", "",
+                  "| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
+        for method in adaptive:
+            cells = [f"{index[(method, None, None, t)]['kr']:.3f}" if (method, None, None, t) in index else "" for t in tasks]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_accuracy_vs_kr(rows: list[dict], path: Path, title: str) -> None:
     """Average score against kr: a line per fixed-budget method, points for adaptive ones, a star for full."""
     task = "all" if any(r["task"] == "all" for r in rows) else rows[0]["task"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    _draw_task(ax, rows, task)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_accuracy_vs_kr_by_task(rows: list[dict], path: Path, title: str) -> None:
+    """One panel per task: there an adaptive method's point sits at the kr it chose for that task."""
+    tasks = sorted({r["task"] for r in rows} - {"all"})
+    cols = min(3, len(tasks))
+    fig, axes = plt.subplots((len(tasks) + cols - 1) // cols, cols, figsize=(4.2 * cols, 3.4 * ((len(tasks) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        _draw_task(ax, rows, task)
+        ax.set_title(task, fontsize=10)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_task(ax, rows: list[dict], task: str) -> None:
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
         if r["task"] == task:
             series[r["method"]].append((r["kr"], r["score"]))
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for method, points in sorted(series.items()):
         points.sort()
         xs, ys = zip(*points)
@@ -78,9 +113,4 @@ def plot_accuracy_vs_kr(rows: list[dict], path: Path, title: str) -> None:
             ax.plot(xs, ys, marker="o", label=method)
     ax.set_xlabel("kr (KV bytes held ÷ full)")
     ax.set_ylabel("score (0–100)" + (", mean over tasks" if task == "all" else f", {task}"))
-    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
