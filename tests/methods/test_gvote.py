@@ -371,6 +371,51 @@ def test_moment_correction_folds_exactly_the_dropped_entries():
     assert corrected.stats()["kr"] > plain.stats()["kr"]
 
 
+def _shared_for(model, ids, method):
+    needs = method.needs()
+    shared = CompressedCache(model, compress_on_prefill=False, observation_window=needs.window,
+                             attention_sums=needs.attention_sums, hidden_stats=True)
+    with torch.no_grad():
+        model(ids, past_key_values=shared)
+    return shared
+
+
+@pytest.mark.parametrize("selector", ["snapkv", "h2o", "momentkv", "keepkv"])
+def test_gvote_as_the_budget_source_of_another_method(selector):
+    """select_with: GVote's per-head sizes, the selector's choice of entries (and its moments or votes)."""
+    model = sharp_model()
+    method = get_method("gvote", select_with=selector)
+    assert method.needs().window == max(1, get_method(selector, budget=8).needs().window)
+    shared = _shared_for(model, _ids(90), method)
+    own = shared.fork(get_method("gvote"))
+    composed = shared.fork(method)
+    for full, mine, theirs in zip(shared.layers, own.layers, composed.layers):
+        assert torch.equal(theirs.head_lengths(), mine.head_lengths())  # GVote's sizes
+        reference = full.clone()
+        get_method(selector, budget=8).compress_to(reference, _context(shared, full), mine.head_lengths())
+        assert kept_positions(theirs) == kept_positions(reference)  # the selector's entries
+    if selector == "momentkv":
+        assert all(layer.summary is layer.state[MOMENTS] for layer in composed.layers if layer.num_entries < 2 * 90)
+    if selector == "keepkv":
+        assert composed.merge_error is not None and composed.merge_error <= 1e-4
+    out = model(_ids(3, seed=5), past_key_values=composed).logits  # decoding runs on the composed cache
+    assert torch.isfinite(out).all()
+
+
+def _context(cache, layer):
+    """The LayerContext the cache gives a layer at compression (module, scaling, rotary)."""
+    return LayerContext(layer.layer_idx, cache.num_layers, cache._modules[layer.layer_idx], cache._scaling(layer), cache._rotary)
+
+
+def test_select_with_refuses_what_cannot_take_sizes():
+    with pytest.raises(ValueError, match="cannot take GVote's sizes"):
+        get_method("gvote", select_with="gvote")
+    with pytest.raises(ValueError, match="cannot take GVote's sizes"):
+        get_method("gvote", select_with="nope")
+    with pytest.raises(ValueError, match="choose one"):
+        get_method("gvote", select_with="snapkv", moment_correction=True)
+
+
 def test_eval_runs_gvote_once_and_reports_its_realized_budget(tmp_path):
     grid = method_grid(EvalSettings(methods=["full", "gvote", "snapkv"], ratios=[0.1, 0.5]))
     assert [m.name for m in grid] == ["full", "gvote", "snapkv", "snapkv"]

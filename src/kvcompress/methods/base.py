@@ -289,11 +289,15 @@ class ScoreMethod(Method):
         ]
         return torch.tensor(per_row, dtype=torch.long)
 
-    def select(self, layer: LayerCache, context: LayerContext, budgets: torch.Tensor, head_budgets: str) -> torch.Tensor:
-        """Keep mask [B, H, L] under per-row layer budgets [B]."""
+    def ranking_key(self, layer: LayerCache, context: LayerContext, budgets: torch.Tensor) -> torch.Tensor:
+        """[B, H, L]: chunk-averaged scores, protected entries first (+inf), -inf on padding."""
         view = layer.padded_view()
         scores = chunk_average(self.score(layer, context), view.valid, self.chunk_size)
-        key = priority(scores, self.protected(layer, budgets), view.positions, view.valid)
+        return priority(scores, self.protected(layer, budgets), view.positions, view.valid)
+
+    def select(self, layer: LayerCache, context: LayerContext, budgets: torch.Tensor, head_budgets: str) -> torch.Tensor:
+        """Keep mask [B, H, L] under per-row layer budgets [B]."""
+        key = self.ranking_key(layer, context, budgets)
         if head_budgets == "adaptive":
             per_head = adaptive_head_budgets(key, budgets, self.alpha, layer.head_lengths())
         else:
@@ -302,6 +306,12 @@ class ScoreMethod(Method):
 
     def compress(self, layer: LayerCache, context: LayerContext) -> None:
         layer.retain(self.select(layer, context, self.layer_budget(layer, context), self.head_budgets))
+
+    def compress_to(self, layer: LayerCache, context: LayerContext, per_head: torch.Tensor) -> None:
+        """Compress with sizes chosen elsewhere (GVote's ``select_with``): keep ``per_head`` [B, H]
+        entries of each KV head by this method's ranking (protected entries first)."""
+        key = self.ranking_key(layer, context, per_head.amax(dim=-1))
+        layer.retain(top_per_head(key, torch.minimum(per_head, layer.head_lengths())))
 
     def decode_budget(self, layer: LayerCache) -> torch.Tensor:
         """Per-row entries per head allowed while decoding: the budget, or ratio × tokens so far."""

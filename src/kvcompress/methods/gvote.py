@@ -39,6 +39,7 @@ into every read through log-sum-exp (seeds/000; ``layer.summary``). Their bytes 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -149,6 +150,11 @@ class GVote(Method):
         seed: seeds the samples (with the layer index); equal seeds give identical keep-sets.
         moment_correction: keep MomentKV's moments of the dropped entries and merge them into
             every read (composition with MomentKV's correction; off = the paper's GVote).
+        select_with: GVote as a budget source: another method (a score, merging or moment
+            method, default options) chooses which entries each KV head keeps, with GVote's
+            per-head sizes — e.g. "momentkv" (its eviction and correction), "snapkv", "keepkv".
+            None = GVote's own union of votes (the paper). Only the prefill is affected:
+            decoding runs as GVote's (no eviction), with the selector's votes or moments in place.
 
     ``budget``/``ratio`` are refused: the method chooses its own budget.
     """
@@ -158,6 +164,7 @@ class GVote(Method):
     future: int = 32
     seed: int = 0
     moment_correction: bool = False
+    select_with: str | None = None
 
     name: ClassVar[str] = "gvote"
     paper: ClassVar[str] = "GVote: adaptive KV-cache compression by Gaussian-sampled query voting (seeds/003)"
@@ -173,9 +180,29 @@ class GVote(Method):
             raise ValueError(f"p_nuc must be in (0, 1], got {self.p_nuc!r}")
         if self.samples < 1 or self.future < 1:
             raise ValueError(f"samples and future must be ≥ 1, got samples={self.samples}, future={self.future}")
+        if self.select_with is not None and self.moment_correction:
+            raise ValueError("choose one: moment_correction (GVote's keep-set + moments) or select_with")
+        _ = self.selector  # an unusable select_with fails here, not at the first prefill
+
+    @cached_property
+    def selector(self) -> Method | None:
+        """The method that picks entries under GVote's sizes (``select_with``), or None."""
+        if self.select_with is None:
+            return None
+        from . import REGISTRY, get_method
+
+        cls = REGISTRY.get(self.select_with.strip().lower())
+        if cls is None or not hasattr(cls, "compress_to") or not cls.needs_budget:
+            usable = sorted(n for n, c in REGISTRY.items() if hasattr(c, "compress_to") and c.needs_budget)
+            raise ValueError(f"select_with={self.select_with!r} cannot take GVote's sizes; use one of {', '.join(usable)}")
+        return get_method(cls.name, ratio=1.0)  # the size placeholder is never used: GVote's sizes replace it
 
     def needs(self) -> Needs:
-        return Needs(window=1, hidden_stats=True)
+        own = Needs(window=1, hidden_stats=True)
+        if self.selector is None:
+            return own
+        theirs = self.selector.needs()
+        return Needs(window=max(own.window, theirs.window), attention_sums=theirs.attention_sums, hidden_stats=True)
 
     # ----- the steps on a layer -------------------------------------------------------------
     def step_budgets(self, layer, context) -> torch.Tensor:
@@ -216,9 +243,12 @@ class GVote(Method):
     @torch.no_grad()
     def compress(self, layer, context) -> None:
         keep, budgets = self.keep_mask(layer, context)
-        if self.moment_correction:
-            self._fold_dropped(layer, keep)
-        layer.retain(keep)
+        if self.selector is not None:
+            self.selector.compress_to(layer, context, keep.sum(dim=-1))
+        else:
+            if self.moment_correction:
+                self._fold_dropped(layer, keep)
+            layer.retain(keep)
         layer.state[STATE] = GVoteAllocation(step_budgets=budgets.reshape(layer.batch_size, -1).cpu(), kept=layer.head_lengths().clone())
         layer.notes.add("gvote: budget chosen per request and KV head (see entries_per_head)")
 

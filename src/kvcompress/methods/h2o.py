@@ -45,6 +45,10 @@ class H2O(ScoreMethod):
         layer.extras[SCORE] = layer.observations["entry:attention_sums"]
         super().compress(layer, context)
 
+    def compress_to(self, layer, context, per_head) -> None:
+        layer.extras[SCORE] = layer.observations["entry:attention_sums"]
+        super().compress_to(layer, context, per_head)
+
     def score(self, layer, context) -> torch.Tensor:
         return layer.padded(layer.extras[SCORE])
 

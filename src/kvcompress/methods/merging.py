@@ -417,7 +417,14 @@ class MergingMethod(SnapKV):
         self.compress_from_window(layer, context.scaling, queries, query_positions,
                                   window_query_valid(queries, layer.tokens_seen), self.layer_budget(layer, context), context)
 
-    def compress_from_window(self, layer, scaling, queries, query_positions, query_valid, budgets, context) -> None:
+    def compress_to(self, layer, context, per_head: torch.Tensor) -> None:
+        """Keep ``per_head`` [B, H] entries by EMA importance and merge the rest (sizes chosen elsewhere: GVote)."""
+        queries = layer.observations["window_queries"][:, :, -self.window :]
+        query_positions = layer.observations["window_positions"][:, -self.window :]
+        self.compress_from_window(layer, context.scaling, queries, query_positions, window_query_valid(queries, layer.tokens_seen),
+                                  per_head.amax(dim=-1), context, per_head=torch.minimum(per_head, layer.head_lengths()))
+
+    def compress_from_window(self, layer, scaling, queries, query_positions, query_valid, budgets, context, per_head=None) -> None:
         """Score with the window's EMA, keep the top entries, merge the rest against the window's mean query.
 
         Records in ``layer.state["merge_error"]`` the reference query's relative output error
@@ -428,7 +435,10 @@ class MergingMethod(SnapKV):
                   layer.padded(layer.log_weights) if layer.log_weights is not None else None)
         ref = window_reference(layer, queries, query_valid)
         self.init_importance(layer, queries, query_positions, query_valid, scaling)
-        keep = self.select(layer, context, budgets, self.head_budgets)
+        if per_head is None:
+            keep = self.select(layer, context, budgets, self.head_budgets)
+        else:
+            keep = top_per_head(self.ranking_key(layer, context, budgets), per_head)
         self.merge(layer, keep, budgets, ref, scaling)
         expected, _ = reference_output(ref, *before, scaling)
         out, _ = layer_reference_output(ref, layer, scaling)

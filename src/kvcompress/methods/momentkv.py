@@ -156,6 +156,16 @@ class MomentKV(AdaKV):
             per_head = adaptive_head_budgets(first_key, budgets, self.alpha, layer.head_lengths())
         else:
             per_head = torch.minimum(budgets[:, None].expand(-1, layer.num_kv_heads), layer.head_lengths())
+        self._evict_in_rounds(layer, context, attention, protected, per_head)
+
+    def compress_to(self, layer, context, per_head: torch.Tensor) -> None:
+        """Moment-informed eviction in rounds and the correction, to sizes chosen elsewhere (GVote)."""
+        self._evict_in_rounds(layer, context, self.score(layer, context), self.protected(layer, per_head.amax(dim=-1)),
+                              torch.minimum(per_head, layer.head_lengths()))
+
+    def _evict_in_rounds(self, layer, context, attention, protected, per_head) -> None:
+        """Evict down to ``per_head`` [B, H] in ``rounds`` steps, folding each round's evictions into the moments."""
+        view = layer.padded_view()
         moments = layer.state.get(MOMENTS) or Moments.empty(layer.batch_size, layer.num_kv_heads, layer.head_dim, view.keys.device, self.order)
         lengths = layer.head_lengths()
         keep = torch.ones_like(protected) if view.valid is None else view.valid.clone()
