@@ -129,6 +129,22 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """Merge comparable eval runs into one table and plot → results.json, results.md, accuracy_vs_kr*.png."""
+    from .eval.report import eval_markdown, merge_results, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
+
+    rows, settings = merge_results([Path(p) for p in args.runs])
+    args.seed = settings.get("seed", args.seed)
+    out = _out_dir(args)
+    protocol = "query-aware" if settings.get("query_aware") else "query-agnostic"
+    title = f"eval: {_model_name(args)}, {protocol}, {settings.get('context_tokens')} context tokens"
+    _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
+            settings={**settings, "merged_from": args.runs})
+    if len({r["task"] for r in rows} - {"all"}) > 1:
+        plot_accuracy_vs_kr_by_task(rows, out / "accuracy_vs_kr_by_task.png", title)
+    return 0
+
+
 def _model_name(args) -> str:
     return args.model or "smollm2-135m-instruct"
 
@@ -271,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu")
     b.set_defaults(func=cmd_bench)
 
+    r = sub.add_parser("report", help="merge comparable eval runs into one table and plot")
+    r.add_argument("runs", nargs="+", help="eval output directories (or results.json files); later ones win")
+    r.add_argument("--out", default="runs/report", help="output directory")
+    r.add_argument("--model", default=None, help="model name for the title")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=cmd_report)
+
     m = sub.add_parser("methods", help="list the methods")
     m.set_defaults(func=cmd_methods)
     return parser
@@ -278,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.verb != "methods":
+    if args.verb not in ("methods", "report"):
         _quiet_transformers()
     if args.verb == "generate" and args.method != "full" and args.budget is None and args.ratio is None:
         args.ratio = 0.25

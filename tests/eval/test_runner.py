@@ -117,3 +117,29 @@ def test_cli_eval_writes_every_file(tmp_path):
     assert {"rows", "model", "seed", "version", "settings"} <= set(results)
     assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 2
     assert (tmp_path / "results.md").exists() and (tmp_path / "accuracy_vs_kr.png").exists()
+
+
+def test_report_merges_comparable_runs_and_refuses_others(tmp_path, capsys):
+    from kvcompress.eval.report import write_json
+
+    def run(name, rows, **changed):
+        settings = {"context_tokens": 1024, "samples": 8, "seed": 0, "query_aware": False, "max_new_tokens": None, **changed}
+        (tmp_path / name).mkdir()
+        write_json(tmp_path / name / "results.json", rows, model="m", seed=0, settings=settings)
+        return str(tmp_path / name)
+
+    def row(method, ratio, score, task="a"):
+        return {"method": method, "budget": None, "ratio": ratio, "task": task, "n": 8, "score": score, "kr": ratio or 1.0,
+                "decode_ms_per_token": 1.0}
+
+    first = run("one", [row("full", None, 90.0), row("snapkv", 0.5, 40.0)])
+    second = run("two", [row("full", None, 90.0), row("snapkv", 0.5, 45.0), row("gvote", None, 60.0)])
+    other = run("three", [row("full", None, 80.0)], samples=2)
+    out = tmp_path / "merged"
+    assert cli_main(["report", first, second, "--out", str(out)]) == 0
+    merged = json.loads((out / "results.json").read_text())["rows"]
+    assert sorted((r["method"], r["score"]) for r in merged) == [("full", 90.0), ("gvote", 60.0), ("snapkv", 45.0)]
+    assert (out / "accuracy_vs_kr.png").exists()
+    assert cli_main(["report", first, other, "--out", str(out)]) == 2
+    assert "samples differ" in capsys.readouterr().err
+    assert cli_main(["report", str(tmp_path / "missing"), "--out", str(out)]) == 2

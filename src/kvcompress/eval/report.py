@@ -114,3 +114,28 @@ def _draw_task(ax, rows: list[dict], task: str) -> None:
     ax.set_xlabel("kr (KV bytes held ÷ full)")
     ax.set_ylabel("score (0–100)" + (", mean over tasks" if task == "all" else f", {task}"))
     ax.grid(alpha=0.3)
+
+
+COMPARABLE = ("context_tokens", "samples", "seed", "query_aware", "max_new_tokens")
+
+
+def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
+    """Rows of several ``results.json`` files of comparable eval runs (same context length,
+    samples, seed, protocol), later files winning on the same method × size × task."""
+    merged: dict[tuple, dict] = {}
+    settings: dict | None = None
+    for path in paths:
+        file = path / "results.json" if path.is_dir() else path
+        if not file.exists():
+            raise FileNotFoundError(f"{file} does not exist: give eval output directories or results.json files")
+        payload = json.loads(file.read_text())
+        theirs = payload.get("settings", {})
+        if settings is None:
+            settings = theirs
+        differing = [k for k in COMPARABLE if theirs.get(k) != settings.get(k)]
+        if differing:
+            raise ValueError(f"{file} is not comparable with {paths[0]}: its {', '.join(differing)} differ; "
+                             "merge runs with the same context length, samples, seed and protocol")
+        for row in payload["rows"]:
+            merged[(row["method"], row["budget"], row["ratio"], row["task"])] = row
+    return list(merged.values()), settings or {}
