@@ -80,13 +80,25 @@ class Moments:
         cov = cov.view(*cov.shape[:2], *([1] * extra), *cov.shape[-2:])
         return mu_v + scaling * (cov @ x.float().unsqueeze(-1)).squeeze(-1)
 
+    def readout(self, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The read as one affine map, computed once per Moments object (they are never changed in
+        place): W [B, H, d + 1, d] = [τ·C; τ·μ_kᵀ] and b [B, H, d + 1] = [μ_v; log m], so that
+        W·q + b = [ô_E(q); log Ẑ_E(q)] (C = 0 at order 0; log m = -inf where nothing was evicted)."""
+        cached = self.__dict__.get("_readout")
+        if cached is None or cached[0] != scaling:
+            mu_k, mu_v, cov = self.means()
+            if self.order == 0:
+                cov = torch.zeros_like(cov)
+            matrix = torch.cat([cov, mu_k[..., None, :]], dim=-2) * scaling
+            bias = torch.cat([mu_v, torch.log(self.count)[..., None]], dim=-1)
+            cached = self.__dict__["_readout"] = (scaling, matrix, bias)
+        return cached[1], cached[2]
+
     def attend(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Summary term for grouped queries [B, H, G, q, d]: (ô_E(q), log Ẑ_E = log m + τ·qᵀμ_k) (eq. 9, 11)."""
-        mu_k, _, _ = self.means()
-        out = self.evicted_output(query.float(), scaling)
-        log_z = torch.log(self.count)[..., None, None] + scaling * torch.einsum("bhgqd,bhd->bhgq", query.float(), mu_k)
-        log_z = torch.where(self.count[..., None, None] > 0, log_z, torch.full_like(log_z, float("-inf")))
-        return out, log_z
+        matrix, bias = self.readout(scaling)
+        both = torch.einsum("bhed,bhgqd->bhgqe", matrix, query.float()) + bias[:, :, None, None, :]
+        return both[..., :-1], both[..., -1]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.count, self.key_sum, self.value_sum, self.value_key_sum))
