@@ -1,11 +1,16 @@
-"""Peer check: kvcompress's snapkv against kvpress's SnapKVPress on the same prompts.
+"""Peer check: kvcompress's snapkv, streamingllm and adakv against kvpress's presses on the same prompts.
 
 kvpress pins its own transformers, so it runs in a separate virtual environment:
 
     python -m venv /tmp/kvpress-venv && /tmp/kvpress-venv/bin/pip install torch==2.13.0 kvpress
-    .venv/bin/python benchmarks/peer_kvpress.py ours   --out runs/peer      # our answers + the prompt ids
-    /tmp/kvpress-venv/bin/python benchmarks/peer_kvpress.py kvpress --out runs/peer
-    .venv/bin/python benchmarks/peer_kvpress.py compare --out runs/peer
+    .venv/bin/python benchmarks/peer_kvpress.py ours   --method snapkv --out runs/peer   # our answers + prompt ids
+    /tmp/kvpress-venv/bin/python benchmarks/peer_kvpress.py kvpress --method snapkv --out runs/peer
+    .venv/bin/python benchmarks/peer_kvpress.py compare --method snapkv --out runs/peer
+
+Pairs: snapkv ↔ SnapKVPress (avg pooling), streamingllm ↔ StreamingLLMPress (4 sinks),
+adakv ↔ AdaKVPress(SnapKVPress) (α = 0.2; the allocations differ: ours is the paper's
+b_h = α·B + (1 − α)·c_h, kvpress forces each head's top α·B entries, then prunes globally).
+Files go to ``--out``/<method>/.
 
 Both sides get the same token ids (our query-agnostic split: the compressed prefix ends
 where the question starts), the same model weights (our cached checkpoint of the embedded
@@ -27,7 +32,9 @@ def run_ours(args) -> None:
     from kvcompress.models import embedded_checkpoint
 
     model, tokenizer = kvc.load_model()
-    method = kvc.get_method("snapkv", ratio=args.ratio, window=args.window, kernel=args.kernel, pooling="avg")
+    snap = {"window": args.window, "kernel": args.kernel, "pooling": "avg"}
+    options = {"snapkv": snap, "adakv": {**snap, "alpha": 0.2}, "streamingllm": {"sinks": 4}}[args.method]
+    method = kvc.get_method(args.method, ratio=args.ratio, **options)
     per_task = args.samples // len(BUILTIN_TASKS)
     rows = []
     for task in BUILTIN_TASKS:
@@ -42,20 +49,24 @@ def run_ours(args) -> None:
                          "ours_ids": out.token_ids, "ours_kept_layer0": kept})
             print(sample.id, repr(out.text), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"checkpoint": str(embedded_checkpoint()), "ratio": args.ratio, "window": args.window, "kernel": args.kernel}
+    meta = {"checkpoint": str(embedded_checkpoint()), "method": args.method, "ratio": args.ratio, "window": args.window,
+            "kernel": args.kernel}
     (args.out / "ours.json").write_text(json.dumps({"meta": meta, "rows": rows}))
 
 
 def run_kvpress(args) -> None:
     import torch
-    from kvpress import SnapKVPress
+    from kvpress import AdaKVPress, SnapKVPress, StreamingLLMPress
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     data = json.loads((args.out / "ours.json").read_text())
     meta = data["meta"]
     model = AutoModelForCausalLM.from_pretrained(meta["checkpoint"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(meta["checkpoint"])
-    press = SnapKVPress(compression_ratio=1 - meta["ratio"], window_size=meta["window"], kernel_size=meta["kernel"])
+    ratio = 1 - meta["ratio"]
+    snap = lambda: SnapKVPress(compression_ratio=ratio, window_size=meta["window"], kernel_size=meta["kernel"])  # noqa: E731
+    press = {"snapkv": snap, "adakv": lambda: AdaKVPress(snap(), alpha_safeguard=0.2),
+             "streamingllm": lambda: StreamingLLMPress(compression_ratio=ratio, n_sink=4)}[meta.get("method", "snapkv")]()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     results = []
@@ -65,7 +76,7 @@ def run_kvpress(args) -> None:
             cache = DynamicCache()
             with press(model):
                 model(input_ids=context, past_key_values=cache)
-            kept = cache.layers[0].keys.shape[2]
+            kept = cache.layers[0].keys.shape[2]  # AdaKVPress masks instead of removing: this is the full length
             n = context.shape[1]
             positions = torch.arange(n, n + len(row["suffix_ids"])).unsqueeze(0)
             logits = model(input_ids=torch.tensor([row["suffix_ids"]]), past_key_values=cache, position_ids=positions,
@@ -104,6 +115,7 @@ def compare(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("side", choices=["ours", "kvpress", "compare"])
+    parser.add_argument("--method", choices=["snapkv", "streamingllm", "adakv"], default="snapkv")
     parser.add_argument("--out", type=Path, default=Path("runs/peer"))
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--context-tokens", type=int, default=1024)
@@ -112,6 +124,7 @@ def main() -> None:
     parser.add_argument("--kernel", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.out = args.out / args.method
     {"ours": run_ours, "kvpress": run_kvpress, "compare": compare}[args.side](args)
 
 

@@ -83,8 +83,12 @@ def cmd_demo(args) -> int:
 
 
 def _sizes(args) -> tuple[list[int] | None, list[float] | None]:
-    budgets = [int(x) for x in args.budgets.split(",")] if args.budgets else None
-    ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else None
+    """--budgets or --ratios as given; the verb's default sizes only when neither is."""
+    given_budgets, given_ratios = args.budgets, args.ratios
+    if given_budgets is None and given_ratios is None:
+        given_budgets, given_ratios = args.default_budgets, args.default_ratios
+    budgets = [int(x) for x in given_budgets.split(",")] if given_budgets else None
+    ratios = [float(x) for x in given_ratios.split(",")] if given_ratios else None
     return budgets, ratios
 
 
@@ -175,7 +179,8 @@ def cmd_diagnose(args) -> int:
     model, tokenizer = load_model(args.model)
     rows = diagnose(model, tokenizer, methods, text=text, context_tokens=args.context_tokens,
                     continuation_tokens=args.continuation_tokens, progress=not args.quiet)
-    settings = {"methods": args.methods, "budgets": args.budgets, "ratios": args.ratios, "text": args.text or "built-in",
+    budgets, ratios = _sizes(args)
+    settings = {"methods": args.methods, "budgets": budgets, "ratios": ratios, "text": args.text or "built-in",
                 "context_tokens": args.context_tokens, "continuation_tokens": args.continuation_tokens}
     title = f"diagnose: {_model_name(args)}, {args.context_tokens} context + {args.continuation_tokens} continuation tokens"
     _report(args, _out_dir(args), "diagnose", rows, diagnose_markdown(rows, title),
@@ -195,7 +200,9 @@ def cmd_bench(args) -> int:
     for tokens in [int(x) for x in args.context_tokens.split(",")]:
         rows += bench(model, tokenizer, methods, context_tokens=tokens, batch_size=args.batch_size,
                       decode_tokens=args.decode_tokens, repeats=args.repeats, seed=args.seed, progress=not args.quiet)
-    settings = {k: getattr(args, k) for k in ("methods", "budgets", "ratios", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}
+    budgets, ratios = _sizes(args)
+    settings = {"budgets": budgets, "ratios": ratios,
+                **{k: getattr(args, k) for k in ("methods", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}}
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
                device=str(model.device), threads=torch.get_num_threads())
     print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
@@ -253,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     def sweep(p, out, ratios=None, budgets=None):
         p.add_argument("--methods", default=",".join(available_methods()), help="comma-separated methods; options after colons, e.g. snapkv,keepkv:key_rule=votes")
         size = p.add_mutually_exclusive_group()
-        size.add_argument("--budgets", default=budgets, help="comma-separated entries per KV head, e.g. 64,128,256")
-        size.add_argument("--ratios", default=ratios, help="comma-separated kept fractions, e.g. 0.1,0.25,0.5")
+        size.add_argument("--budgets", help=f"comma-separated entries per KV head, e.g. 64,128,256 (default: {budgets or 'none'})")
+        size.add_argument("--ratios", help=f"comma-separated kept fractions, e.g. 0.1,0.25,0.5 (default: {ratios or 'none'})")
+        p.set_defaults(default_budgets=budgets, default_ratios=ratios)
         p.add_argument("--out", default=out, help="output directory")
 
     e = sub.add_parser("eval", help="task accuracy per method × budget")

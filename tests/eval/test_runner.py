@@ -143,3 +143,15 @@ def test_report_merges_comparable_runs_and_refuses_others(tmp_path, capsys):
     assert cli_main(["report", first, other, "--out", str(out)]) == 2
     assert "samples differ" in capsys.readouterr().err
     assert cli_main(["report", str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def test_sizes_given_on_the_command_line_replace_the_verbs_defaults():
+    from kvcompress.cli import _sizes, build_parser
+
+    parser = build_parser()
+    assert _sizes(parser.parse_args(["diagnose"])) == ([64, 128, 256], None)
+    assert _sizes(parser.parse_args(["diagnose", "--ratios", "0.1,0.5"])) == (None, [0.1, 0.5])
+    assert _sizes(parser.parse_args(["bench", "--ratios", "0.25"])) == (None, [0.25])
+    assert _sizes(parser.parse_args(["bench", "--budgets", "32"])) == ([32], None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["diagnose", "--ratios", "0.1", "--budgets", "64"])
