@@ -135,6 +135,13 @@ def priority(
     return key
 
 
+def plus_protected(per_head: torch.Tensor, protected: torch.Tensor, layer: LayerCache) -> torch.Tensor:
+    """[B, H]: sizes chosen by another method (GVote) plus the entries this method always keeps
+    (its window, sinks), capped at what each head holds. Without the addition a head that GVote
+    sizes below the window would keep only the window and lose its attention sink."""
+    return torch.minimum(per_head.to(protected.device) + protected.sum(dim=-1), layer.head_lengths().to(protected.device))
+
+
 def top_per_head(key: torch.Tensor, head_budgets: torch.Tensor) -> torch.Tensor:
     """Keep mask [B, H, L]: the ``head_budgets[b, h]`` entries with the highest key per head."""
     order = key.argsort(dim=-1, descending=True, stable=True)
@@ -308,10 +315,11 @@ class ScoreMethod(Method):
         layer.retain(self.select(layer, context, self.layer_budget(layer, context), self.head_budgets))
 
     def compress_to(self, layer: LayerCache, context: LayerContext, per_head: torch.Tensor) -> None:
-        """Compress with sizes chosen elsewhere (GVote's ``select_with``): keep ``per_head`` [B, H]
-        entries of each KV head by this method's ranking (protected entries first)."""
-        key = self.ranking_key(layer, context, per_head.amax(dim=-1))
-        layer.retain(top_per_head(key, torch.minimum(per_head, layer.head_lengths())))
+        """Compress with sizes chosen elsewhere (GVote's ``select_with``): keep this method's protected
+        entries plus its ``per_head`` [B, H] best-ranked others in each KV head."""
+        budgets = per_head.amax(dim=-1)
+        key = self.ranking_key(layer, context, budgets)
+        layer.retain(top_per_head(key, plus_protected(per_head, self.protected(layer, budgets), layer)))
 
     def decode_budget(self, layer: LayerCache) -> torch.Tensor:
         """Per-row entries per head allowed while decoding: the budget, or ratio × tokens so far."""
@@ -328,6 +336,7 @@ class ScoreMethod(Method):
 
 
 __all__ = [
+    "plus_protected",
     "Method",
     "Needs",
     "ScoreMethod",

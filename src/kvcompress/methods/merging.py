@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import attend_reference, attention_probs, group_queries
-from .base import Needs, pool_scores, priority, recent_mask, sink_mask, top_per_head
+from .base import Needs, plus_protected, pool_scores, priority, recent_mask, sink_mask, top_per_head
 from .snapkv import SnapKV
 
 if TYPE_CHECKING:
@@ -418,11 +418,14 @@ class MergingMethod(SnapKV):
                                   window_query_valid(queries, layer.tokens_seen), self.layer_budget(layer, context), context)
 
     def compress_to(self, layer, context, per_head: torch.Tensor) -> None:
-        """Keep ``per_head`` [B, H] entries by EMA importance and merge the rest (sizes chosen elsewhere: GVote)."""
+        """Keep the protected entries plus ``per_head`` [B, H] others by EMA importance and merge the
+        rest into them (sizes chosen elsewhere: GVote)."""
         queries = layer.observations["window_queries"][:, :, -self.window :]
         query_positions = layer.observations["window_positions"][:, -self.window :]
+        budgets = per_head.amax(dim=-1)
+        sizes = plus_protected(per_head, self.protected(layer, budgets), layer)
         self.compress_from_window(layer, context.scaling, queries, query_positions, window_query_valid(queries, layer.tokens_seen),
-                                  per_head.amax(dim=-1), context, per_head=torch.minimum(per_head, layer.head_lengths()))
+                                  budgets, context, per_head=sizes)
 
     def compress_from_window(self, layer, scaling, queries, query_positions, query_valid, budgets, context, per_head=None) -> None:
         """Score with the window's EMA, keep the top entries, merge the rest against the window's mean query.

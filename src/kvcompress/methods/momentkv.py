@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from .adakv import AdaKV
-from .base import adaptive_head_budgets, chunk_average, priority, recent_mask, sink_mask, top_per_head
+from .base import adaptive_head_budgets, chunk_average, plus_protected, priority, recent_mask, sink_mask, top_per_head
 
 MOMENTS = "moments"
 
@@ -171,9 +171,10 @@ class MomentKV(AdaKV):
         self._evict_in_rounds(layer, context, attention, protected, per_head)
 
     def compress_to(self, layer, context, per_head: torch.Tensor) -> None:
-        """Moment-informed eviction in rounds and the correction, to sizes chosen elsewhere (GVote)."""
-        self._evict_in_rounds(layer, context, self.score(layer, context), self.protected(layer, per_head.amax(dim=-1)),
-                              torch.minimum(per_head, layer.head_lengths()))
+        """Moment-informed eviction in rounds and the correction, to sizes chosen elsewhere (GVote):
+        the protected entries plus ``per_head`` others."""
+        protected = self.protected(layer, per_head.amax(dim=-1))
+        self._evict_in_rounds(layer, context, self.score(layer, context), protected, plus_protected(per_head, protected, layer))
 
     def _evict_in_rounds(self, layer, context, attention, protected, per_head) -> None:
         """Evict down to ``per_head`` [B, H] in ``rounds`` steps, folding each round's evictions into the moments."""
