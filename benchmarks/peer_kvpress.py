@@ -7,7 +7,8 @@ kvpress pins its own transformers, so it runs in a separate virtual environment:
     /tmp/kvpress-venv/bin/python benchmarks/peer_kvpress.py kvpress --method snapkv --out runs/peer
     .venv/bin/python benchmarks/peer_kvpress.py compare --method snapkv --out runs/peer
 
-Pairs: snapkv ↔ SnapKVPress (avg pooling), streamingllm ↔ StreamingLLMPress (4 sinks),
+Pairs: snapkv ↔ SnapKVPress (avg pooling), streamingllm ↔ StreamingLLMPress (4 sinks; ours with
+roll=False: kvpress compresses once at prefill, our default rolls the window while decoding),
 adakv ↔ AdaKVPress(SnapKVPress) (α = 0.2; the allocations differ: ours is the paper's
 b_h = α·B + (1 − α)·c_h, kvpress forces each head's top α·B entries, then prunes globally).
 Files go to ``--out``/<method>/.
@@ -33,7 +34,7 @@ def run_ours(args) -> None:
 
     model, tokenizer = kvc.load_model()
     snap = {"window": args.window, "kernel": args.kernel, "pooling": "avg"}
-    options = {"snapkv": snap, "adakv": {**snap, "alpha": 0.2}, "streamingllm": {"sinks": 4}}[args.method]
+    options = {"snapkv": snap, "adakv": {**snap, "alpha": 0.2}, "streamingllm": {"sinks": 4, "roll": False}}[args.method]
     method = kvc.get_method(args.method, ratio=args.ratio, **options)
     per_task = args.samples // len(BUILTIN_TASKS)
     rows = []

@@ -21,3 +21,13 @@ def test_decoding_rolls_the_window_within_budget():
         method.after_decode_step(layer, None, context)
         assert int(layer.head_lengths().max()) <= 10
     assert kept_positions(layer) == [[[0, 1] + list(range(37, 45))] * 2]
+
+
+def test_without_rolling_every_decoded_token_stays():
+    layer, context, _, _, _ = random_layer(length=30)
+    method = get_method("streamingllm", budget=10, sinks=2, roll=False)
+    method.compress(layer, context)
+    for step in range(30, 45):
+        layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[step]]))
+        method.after_decode_step(layer, None, context)
+    assert kept_positions(layer) == [[[0, 1] + list(range(22, 45))] * 2]

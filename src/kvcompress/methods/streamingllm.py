@@ -2,7 +2,8 @@
 
 Keep ``sinks`` first tokens plus the ``B − sinks`` most recent (METHODS.md, "StreamingLLM").
 While decoding the window rolls: whenever a head exceeds the budget, the oldest non-sink
-entries leave.
+entries leave (``roll=False`` compresses once at prefill and keeps every later token, as
+kvpress's StreamingLLMPress does).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from .base import ScoreMethod
 
 @dataclass
 class StreamingLLM(ScoreMethod):
-    """Attention sinks + a recent window; evicts the oldest entries while decoding."""
+    """Attention sinks + a recent window; evicts the oldest entries while decoding (unless ``roll=False``)."""
 
     sinks: int = 4
+    roll: bool = True
 
     name: ClassVar[str] = "streamingllm"
     paper: ClassVar[str] = "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks"
@@ -26,3 +28,7 @@ class StreamingLLM(ScoreMethod):
     def score(self, layer, context):
         """Recency: a later position scores higher."""
         return layer.padded_view().positions.float()
+
+    def after_decode_step(self, layer, probs, context) -> None:
+        if self.roll:
+            super().after_decode_step(layer, probs, context)
