@@ -116,12 +116,12 @@ def _draw_task(ax, rows: list[dict], task: str) -> None:
     ax.grid(alpha=0.3)
 
 
-COMPARABLE = ("context_tokens", "samples", "seed", "query_aware", "max_new_tokens")
+COMPARABLE = ("context_tokens", "samples", "seed", "query_aware", "max_new_tokens", "tasks", "task_files")
 
 
 def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
     """Rows of several ``results.json`` files of comparable eval runs (same context length,
-    samples, seed, protocol), later files winning on the same method × size × task."""
+    samples, seed, protocol and tasks), later files winning on the same method × size × task."""
     merged: dict[tuple, dict] = {}
     settings: dict | None = None
     for path in paths:
