@@ -109,7 +109,7 @@ def _out_dir(args) -> Path:
 def cmd_eval(args) -> int:
     """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png
     (and accuracy_vs_kr_by_task.png with several tasks)."""
-    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task, write_jsonl
+    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
     from .eval.runner import EvalSettings, prediction_record, run_eval
 
     budgets, ratios = _sizes(args)
@@ -120,9 +120,14 @@ def cmd_eval(args) -> int:
         query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,
     )
     model, tokenizer = load_model(args.model)
-    rows, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet)
     out = _out_dir(args)
-    write_jsonl(out / "predictions.jsonl", [prediction_record(p) for p in predictions])
+    with (out / "predictions.jsonl").open("w") as handle:  # written as the run goes
+
+        def record(prediction) -> None:
+            handle.write(json.dumps(prediction_record(prediction), default=str) + "\n")
+            handle.flush()
+
+        rows, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet, on_prediction=record)
     protocol = "query-aware" if settings.query_aware else "query-agnostic"
     title = f"eval: {_model_name(args)}, {protocol}, {settings.context_tokens} context tokens"
     _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),

@@ -50,8 +50,10 @@ def test_shared_prefill_gives_identical_answers(tiny, task_file, query_aware):
 
 def test_rows_follow_the_schema_and_average_tasks(tiny, task_file):
     model, tokenizer = tiny
-    rows, predictions, _ = run_eval(model, tokenizer, _settings(task_file), progress=False)
+    seen = []
+    rows, predictions, _ = run_eval(model, tokenizer, _settings(task_file), progress=False, on_prediction=seen.append)
     assert len(predictions) == 3 * (1 + 4 * 2)
+    assert seen == predictions  # each one as it came, in order
     assert all(ROW_KEYS <= set(r) for r in rows)
     full = next(r for r in rows if r["method"] == "full")
     assert full["n"] == 3 and full["kr"] > 1.0

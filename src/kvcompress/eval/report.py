@@ -20,12 +20,6 @@ def write_json(path: Path, rows: list[dict], *, model: str, seed: int, settings:
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    with path.open("w") as handle:
-        for record in records:
-            handle.write(json.dumps(record, default=str) + "\n")
-
-
 def size_label(row: dict) -> str:
     if row["budget"] is not None:
         return str(row["budget"])

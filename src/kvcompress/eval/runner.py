@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from statistics import mean
 
@@ -96,8 +97,13 @@ class Prediction:
     stats: dict
 
 
-def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True) -> tuple[list[dict], list[Prediction], float]:
-    """Run the grid on every sample; returns (aggregated rows, predictions, wall seconds)."""
+def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True,
+             on_prediction: Callable[[Prediction], None] | None = None) -> tuple[list[dict], list[Prediction], float]:
+    """Run the grid on every sample; returns (aggregated rows, predictions, wall seconds).
+
+    ``on_prediction`` sees each prediction as soon as it exists (the CLI appends it to
+    predictions.jsonl, so a long run that stops early keeps what it did).
+    """
     grid = method_grid(settings)
     samples = load_samples(settings, tokenizer)
     start = time.perf_counter()
@@ -107,6 +113,8 @@ def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True) ->
         outputs = _run_sample(model, tokenizer, sample, grid, settings)
         for method, out in zip(grid, outputs):
             predictions.append(_prediction(sample, method, out))
+            if on_prediction is not None:
+                on_prediction(predictions[-1])
             bar.update(1)
     bar.close()
     return aggregate(predictions), predictions, time.perf_counter() - start
