@@ -96,15 +96,18 @@ def _draw_task(ax, rows: list[dict], task: str) -> None:
     for r in rows:
         if r["task"] == task:
             series[r["method"]].append((r["kr"], r["score"]))
+    methods = sorted({r["method"] for r in rows} - {"full"})
+    colors = plt.cm.tab20.colors  # the same method gets the same color in every panel
     for method, points in sorted(series.items()):
         points.sort()
         xs, ys = zip(*points)
+        color = colors[methods.index(method) % len(colors)] if method in methods else "black"
         if method == "full":
             ax.scatter(xs, ys, marker="*", s=180, color="black", label="full", zorder=3)
-        elif len(points) == 1:
-            ax.scatter(xs, ys, s=50, label=method, zorder=3)
+        elif len(points) == 1:  # adaptive methods: one point at the kr they chose
+            ax.scatter(xs, ys, marker="D", s=60, color=color, edgecolors="black", label=method, zorder=4)
         else:
-            ax.plot(xs, ys, marker="o", label=method)
+            ax.plot(xs, ys, marker="o", color=color, label=method)
     ax.set_xlabel("kr (KV bytes held ÷ full)")
     ax.set_ylabel("score (0–100)" + (", mean over tasks" if task == "all" else f", {task}"))
     ax.grid(alpha=0.3)
