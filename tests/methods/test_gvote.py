@@ -214,6 +214,18 @@ def test_samples_equal_to_the_real_query_on_a_model():
     assert forked.stats()["cr"] < 1.0
 
 
+def test_include_current_adds_exactly_the_real_querys_top_p_set():
+    model = sharp_model()
+    shared = _shared(model, _ids(60))
+    plain = shared.fork(get_method("gvote", p_nuc=0.9))
+    voting = shared.fork(get_method("gvote", p_nuc=0.9, include_current=True))
+    for layer, a, b in zip(shared.layers, plain.layers, voting.layers):
+        view = layer.padded_view()
+        top_p = reference_top_p(view.keys, view.valid, layer.observations["window_queries"][:, :, -1], shared._scaling(layer), 0.9, 2)
+        for h, (mine, theirs) in enumerate(zip(kept_positions(a)[0], kept_positions(b)[0])):
+            assert set(theirs) == set(mine) | top_p[0][h]
+
+
 def test_keep_set_grows_monotonically_with_samples():
     model = sharp_model()
     shared = _shared(model, _ids(80))

@@ -150,6 +150,8 @@ class GVote(Method):
         seed: seeds the samples (with the layer index); equal seeds give identical keep-sets.
         moment_correction: keep MomentKV's moments of the dropped entries and merge them into
             every read (composition with MomentKV's correction; off = the paper's GVote).
+        include_current: the last real query q_0 votes beside the samples, so its top-p set
+            is kept (off = the paper: q_0 only sets the step budgets).
         select_with: GVote as a budget source: another method (a score, merging or moment
             method, default options) chooses which entries each KV head keeps, with GVote's
             per-head sizes — e.g. "momentkv" (its eviction and correction), "snapkv", "keepkv".
@@ -165,6 +167,7 @@ class GVote(Method):
     seed: int = 0
     moment_correction: bool = False
     select_with: str | None = None
+    include_current: bool = False
 
     name: ClassVar[str] = "gvote"
     paper: ClassVar[str] = "GVote: adaptive KV-cache compression by Gaussian-sampled query voting (seeds/003)"
@@ -234,7 +237,10 @@ class GVote(Method):
         """(keep [B, H, L] on the padded view, step budgets [B, H, G])."""
         view = layer.padded_view()
         budgets = self.step_budgets(layer, context)
-        queries = group_queries(self.sampled_queries(layer, context).to(view.keys.device), layer.num_kv_heads)
+        sampled = self.sampled_queries(layer, context).to(view.keys.device)
+        if self.include_current:  # q_0 votes too: its own top-p set is kept
+            sampled = torch.cat([sampled, layer.observations["window_queries"][:, :, -1:].float().to(sampled.device)], dim=2)
+        queries = group_queries(sampled, layer.num_kv_heads)
         logits = torch.einsum("bhgsd,bhld->bhgsl", queries, view.keys.float()) * context.scaling
         if view.valid is not None:
             logits = logits.masked_fill(~view.valid[:, :, None, None, :], float("-inf"))
