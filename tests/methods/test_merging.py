@@ -134,10 +134,12 @@ def test_both_sides_of_the_argument_on_the_embedded_model(embedded):
     largest = max(float(layer.flat_keys.float().norm(dim=-1).max()) for layer in full.layers)
     results = {}
     for label, name, options in [("keepkv", "keepkv", {}), ("paper", "keepkv", {"max_key_scale": float("inf")}),
-                                 ("cam", "cam", {}), ("d2o", "d2o", {})]:
+                                 ("votes", "keepkv", {"key_rule": "votes"}), ("cam", "cam", {}), ("d2o", "d2o", {})]:
         cache = CompressedCache(model, get_method(name, budget=64, **options))
         model(ids, past_key_values=cache)
-        results[label] = (cache.merge_error, max(float(layer.flat_keys.float().norm(dim=-1).max()) for layer in cache.layers))
+        fallbacks = cache.stats().get("merge_counts", {}).get("zip_fallbacks", 0)
+        results[label] = (cache.merge_error, max(float(layer.flat_keys.float().norm(dim=-1).max()) for layer in cache.layers), fallbacks)
     assert results["keepkv"][0] <= 1e-4 and results["keepkv"][1] <= 1.25 * largest
-    assert results["paper"][0] <= 1e-4 and results["paper"][1] > 10 * largest
+    assert results["paper"][0] <= 1e-4 and results["paper"][1] > 10 * largest and results["paper"][2] == 0
+    assert results["votes"][0] <= 1e-4 and results["votes"][1] <= largest + 1e-3 and results["votes"][2] == 0
     assert results["cam"][0] > 1e-2 and results["d2o"][0] > 1e-2
