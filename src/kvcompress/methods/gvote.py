@@ -34,6 +34,11 @@ Choices the paper leaves open (named options, see ``GVote``):
 ``moment_correction=True`` composes GVote's keep-set with MomentKV's normalization
 correction: the entries GVote drops are folded into MomentKV's running moments and merged
 into every read through log-sum-exp (seeds/000; ``layer.summary``). Their bytes count in kr.
+``select_with="momentkv"`` (or another score, moment or merging method) makes GVote a budget
+source: that method chooses the entries, through its ``compress_to``, under GVote's per-head
+sizes (plus its own protected window and sinks). ``include_current=True`` lets ``q_0`` vote
+beside the samples (not in the paper). On SmolLM2 GVote keeps too little of a needle for the
+retrieval tasks; see docs/results.md.
 """
 
 from __future__ import annotations
