@@ -412,20 +412,19 @@ class MergingMethod(SnapKV):
     # ----- compression -----------------------------------------------------------------------
     @torch.no_grad()  # forks compress outside inference mode: never record autograd
     def compress(self, layer, context) -> None:
-        queries = layer.observations["window_queries"][:, :, -self.window :]
-        query_positions = layer.observations["window_positions"][:, -self.window :]
-        self.compress_from_window(layer, context.scaling, queries, query_positions,
-                                  window_query_valid(queries, layer.tokens_seen), self.layer_budget(layer, context), context)
+        self.compress_from_window(layer, context.scaling, *self._prefill_window(layer), self.layer_budget(layer, context), context)
 
     def compress_to(self, layer, context, per_head: torch.Tensor) -> None:
         """Keep the protected entries plus ``per_head`` [B, H] others by EMA importance and merge the
         rest into them (sizes chosen elsewhere: GVote)."""
-        queries = layer.observations["window_queries"][:, :, -self.window :]
-        query_positions = layer.observations["window_positions"][:, -self.window :]
         budgets = per_head.amax(dim=-1)
         sizes = plus_protected(per_head, self.protected(layer, budgets), layer)
-        self.compress_from_window(layer, context.scaling, queries, query_positions, window_query_valid(queries, layer.tokens_seen),
-                                  budgets, context, per_head=sizes)
+        self.compress_from_window(layer, context.scaling, *self._prefill_window(layer), budgets, context, per_head=sizes)
+
+    def _prefill_window(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill's last ``window`` queries [B, Hq, w, d], their positions [B, w] and which are real [B, w]."""
+        queries = layer.observations["window_queries"][:, :, -self.window :]
+        return queries, layer.observations["window_positions"][:, -self.window :], window_query_valid(queries, layer.tokens_seen)
 
     def compress_from_window(self, layer, scaling, queries, query_positions, query_valid, budgets, context, per_head=None) -> None:
         """Score with the window's EMA, keep the top entries, merge the rest against the window's mean query.
