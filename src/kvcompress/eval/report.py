@@ -132,7 +132,7 @@ def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
         differing = [k for k in COMPARABLE if theirs.get(k) != settings.get(k)]
         if differing:
             raise ValueError(f"{file} is not comparable with {paths[0]}: its {', '.join(differing)} differ; "
-                             "merge runs with the same context length, samples, seed and protocol")
+                             "merge runs with the same context length, samples, seed, protocol and tasks")
         for row in payload["rows"]:
             merged[(row["method"], row["budget"], row["ratio"], row["task"])] = row
     return list(merged.values()), settings or {}
