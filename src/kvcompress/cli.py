@@ -16,11 +16,15 @@ from .eval.tasks import BUILTIN_TASKS
 from .methods import REGISTRY, parse_method_spec
 
 
-def _method(spec: str, budget: int | None, ratio: float | None):
-    """A method from its command-line form (``name`` or ``name:option=value:...``) and a size."""
+def _method(spec: str, budget: int | None = None, ratio: float | None = None, default_ratio: float | None = None):
+    """A method from its command-line form (``name`` or ``name:option=value:...``) and a size.
+
+    A method that needs a size and was given none keeps ``default_ratio``; ``full`` and adaptive
+    methods (GVote) size themselves, and only a size given explicitly reaches them.
+    """
     name, options = parse_method_spec(spec)
-    if name == "full":
-        return get_method("full", **options)
+    if REGISTRY[name].needs_budget and budget is None and ratio is None:
+        ratio = default_ratio
     return get_method(name, budget=budget, ratio=ratio, **options)
 
 
@@ -41,7 +45,7 @@ def cmd_generate(args) -> int:
     else:
         context = args.context
     model, tokenizer = load_model(args.model)
-    method = _method(args.method, args.budget, args.ratio)
+    method = _method(args.method, args.budget, args.ratio, default_ratio=0.25)
     out = generate(model, tokenizer, context, args.question, method,
                    max_new_tokens=args.max_new_tokens, query_aware=args.query_aware)
     if args.json:
@@ -63,8 +67,7 @@ def cmd_demo(args) -> int:
     runs = [(m, qa) for qa in (False, True) for m in methods]
     rows = []
     for name, query_aware in tqdm(runs, desc="demo", disable=args.quiet):
-        ratio = args.ratio if REGISTRY[parse_method_spec(name)[0]].needs_budget else None  # adaptive methods size themselves
-        out = generate(model, tokenizer, prompt.context, prompt.question, _method(name, None, ratio),
+        out = generate(model, tokenizer, prompt.context, prompt.question, _method(name, default_ratio=args.ratio),
                        max_new_tokens=20, query_aware=query_aware)
         rows.append((name, query_aware, out))
     n = rows[0][2].stats["context_tokens"]
@@ -109,7 +112,6 @@ def _out_dir(args) -> Path:
 def cmd_eval(args) -> int:
     """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png
     (and accuracy_vs_kr_by_task.png with several tasks)."""
-    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
     from .eval.runner import EvalSettings, prediction_record, run_eval
 
     budgets, ratios = _sizes(args)
@@ -128,30 +130,31 @@ def cmd_eval(args) -> int:
             handle.flush()
 
         rows, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet, on_prediction=record)
-    protocol = "query-aware" if settings.query_aware else "query-agnostic"
-    title = f"eval: {_model_name(args)}, {protocol}, {settings.context_tokens} context tokens"
-    _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
-            settings=vars(settings), wall_s=wall)
-    if len({r["task"] for r in rows} - {"all"}) > 1:
-        plot_accuracy_vs_kr_by_task(rows, out / "accuracy_vs_kr_by_task.png", title)
+    _eval_report(args, out, rows, vars(settings), wall_s=wall)
     print(f"wall time {wall:.0f} s; predictions in {out / 'predictions.jsonl'}")
     return 0
 
 
 def cmd_report(args) -> int:
     """Merge comparable eval runs into one table and plot → results.json, results.md, accuracy_vs_kr*.png."""
-    from .eval.report import eval_markdown, merge_results, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
+    from .eval.report import merge_results
 
     rows, settings = merge_results([Path(p) for p in args.runs])
     args.seed = settings.get("seed", args.seed)
-    out = _out_dir(args)
+    _eval_report(args, _out_dir(args), rows, {**settings, "merged_from": args.runs})
+    return 0
+
+
+def _eval_report(args, out: Path, rows: list[dict], settings: dict, **extra) -> None:
+    """results.json / .md and accuracy_vs_kr.png (plus the per-task plot with several tasks) of eval rows."""
+    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
+
     protocol = "query-aware" if settings.get("query_aware") else "query-agnostic"
     title = f"eval: {_model_name(args)}, {protocol}, {settings.get('context_tokens')} context tokens"
     _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
-            settings={**settings, "merged_from": args.runs})
+            settings=settings, **extra)
     if len({r["task"] for r in rows} - {"all"}) > 1:
         plot_accuracy_vs_kr_by_task(rows, out / "accuracy_vs_kr_by_task.png", title)
-    return 0
 
 
 def _model_name(args) -> str:
@@ -316,8 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verb not in ("methods", "report"):
         _quiet_transformers()
-    if args.verb == "generate" and args.method != "full" and args.budget is None and args.ratio is None:
-        args.ratio = 0.25
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:

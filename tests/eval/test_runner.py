@@ -157,3 +157,16 @@ def test_sizes_given_on_the_command_line_replace_the_verbs_defaults():
     assert _sizes(parser.parse_args(["bench", "--budgets", "32"])) == ([32], None)
     with pytest.raises(SystemExit):
         parser.parse_args(["diagnose", "--ratios", "0.1", "--budgets", "64"])
+
+
+def test_command_line_methods_take_the_default_size_only_when_they_need_one():
+    from kvcompress.cli import _method
+
+    assert _method("snapkv", default_ratio=0.25).ratio == 0.25
+    assert _method("snapkv:window=8", budget=64, default_ratio=0.25).budget == 64
+    assert _method("snapkv", budget=64, default_ratio=0.25).ratio is None
+    gvote = _method("gvote:p_nuc=0.9", default_ratio=0.25)  # sizes itself: no default ratio forced on it
+    assert gvote.ratio is None and gvote.budget is None and gvote.p_nuc == 0.9
+    assert _method("full", default_ratio=0.25).ratio is None
+    with pytest.raises(ValueError, match="chooses its own budget"):
+        _method("gvote", ratio=0.5)  # a size given explicitly still reaches it, and is refused
