@@ -1,11 +1,15 @@
-"""Shared builders for tests: tiny random models and layers filled with random entries."""
+"""Shared builders for tests: tiny random models and one-layer sessions filled with random entries."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from kvcompress.cache import LayerCache, LayerContext
+from kvcompress.methods import Needs, get_method
+from kvcompress.session import Session
+from kvcompress.store.slots import SlotPool
 
 
 def tiny_model(kind: str = "llama", layers: int = 2, seed: int = 0):
@@ -22,40 +26,134 @@ def tiny_model(kind: str = "llama", layers: int = 2, seed: int = 0):
     return model
 
 
-def random_layer(batch=1, heads=2, group=2, length=64, dim=8, window=8, seed=0, lengths=None):
-    """A LayerCache holding random entries at positions 0..length-1 plus the last ``window`` queries.
+class TestLayer:
+    """One layer of a session, driven by hand: a method's compress and decode steps applied as the
+    session would, with the layer's state in reach (the seam method tests work through)."""
 
-    ``lengths`` (per batch row) left-pads shorter rows: their first tokens are padding.
-    Returns (layer, context, queries [B, H·G, length, d], positions [B, length]).
+    __test__ = False  # not a pytest class
+
+    def __init__(self, session: Session, layer_idx: int = 0, num_layers: int = 4):
+        self.session, self.idx, self.num_layers = session, layer_idx, num_layers
+
+    # ----- what a method sees ------------------------------------------------------------------
+    def view(self):
+        return self.session.view(self.idx)
+
+    def context(self, query=None, positions=None, layer_idx=None):
+        context = self.session.context(self.idx, query, positions)
+        return dataclasses.replace(context, num_layers=self.num_layers,
+                                   layer_idx=self.idx if layer_idx is None else layer_idx, notes=self.notes)
+
+    @property
+    def _state(self):
+        return self.session.layers[self.idx]
+
+    @property
+    def state(self):
+        return self._state.state
+
+    @property
+    def summary(self):
+        return self._state.summary
+
+    @property
+    def notes(self):
+        return self._state.notes
+
+    @property
+    def observations(self):
+        return self._state.observations
+
+    @property
+    def tokens_seen(self):
+        return self._state.tokens_seen
+
+    @property
+    def scaling(self) -> float:
+        return self._state.scaling
+
+    def head_lengths(self) -> torch.Tensor:
+        return self._state.table.lengths
+
+    @property
+    def num_entries(self) -> int:
+        return self._state.table.num_entries
+
+    def nbytes(self) -> int:
+        return self._state.nbytes(self.session.pool)
+
+    # ----- acting ------------------------------------------------------------------------------
+    def apply(self, edit) -> None:
+        if edit is not None:
+            self.session.apply(self.idx, edit)
+
+    def compress(self, method, sizes=None, layer_idx=None) -> None:
+        self.apply(method.compress(self.view(), self.context(layer_idx=layer_idx), sizes))
+
+    def append(self, keys, values, positions) -> None:
+        state = self._state
+        state.table.append(self.session.pool, keys, values, positions)
+        state.seen += keys.shape[2]
+        state.tokens_seen = state.tokens_seen + keys.shape[2]
+
+    def decode_step(self, method, col_sums=None, query=None, positions=None) -> None:
+        """After an ``append``: the method's decode step with the given column sums [B, H, L]."""
+        self.apply(method.decode_step(self.view(), self.context(query, positions), col_sums))
+
+    def clone(self) -> TestLayer:
+        """An independent copy sharing the entries (a fork of this layer)."""
+        state, session = self._state, self.session
+        twin_session = Session(session.method, session.pool, num_layers=session.num_layers, num_kv_heads=session.num_kv_heads,
+                               modules=session.modules, rotary=session.rotary, observe=session.observe, compress_on_prefill=False)
+        twin_session.layers[self.idx] = dataclasses.replace(state, table=state.table.share(session.pool), state=dict(state.state),
+                                                            notes=set(state.notes))
+        return TestLayer(twin_session, self.idx, self.num_layers)
+
+
+def random_layer(batch=1, heads=2, group=2, length=64, dim=8, window=8, seed=0, lengths=None, key_scale=1.0,
+                 attention_sums=False):
+    """A one-layer session holding random entries at positions 0..length-1, prefilled with random queries
+    (the last ``window`` are observed). ``lengths`` (per batch row) left-pads shorter rows: their first
+    tokens are padding.
+
+    Returns (layer, context, queries [B, H·G, length, d], positions [B, length], valid [B, length] or None).
     """
     g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(batch, heads, length, dim, generator=g)
+    keys = torch.randn(batch, heads, length, dim, generator=g) * key_scale
     values = torch.randn(batch, heads, length, dim, generator=g)
     queries = torch.randn(batch, heads * group, length, dim, generator=g) * 2
     valid = None
-    positions = torch.arange(length).expand(batch, length).clone()
     if lengths is not None:
         valid = torch.arange(length)[None, :] >= (length - torch.tensor(lengths))[:, None]
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    layer = LayerCache(0, heads, dim)
-    layer.append(keys, values, positions, valid)
-    layer.observations["window_queries"] = queries[:, :, -window:]
-    layer.observations["window_positions"] = positions[:, -window:]
-    context = LayerContext(layer_idx=0, num_layers=4, module=None, scaling=dim**-0.5)
-    return layer, context, queries, positions, valid
+    layer = layer_from(keys, values, queries, window, valid, attention_sums)
+    return layer, layer.context(), queries, _positions(batch, length, valid), valid
+
+
+def _positions(batch, length, valid):
+    if valid is None:
+        return torch.arange(length).expand(batch, length).clone()
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+
+
+def layer_from(keys, values, queries, window=8, valid=None, attention_sums=False) -> TestLayer:
+    """A one-layer session prefilled with these entries [B, H, n, d] and queries [B, Hq, n, d] (``valid``
+    [B, n]: left padding), observing the last ``window`` queries."""
+    batch, heads, length, dim = keys.shape
+    session = Session(get_method("full"), SlotPool(dim), num_layers=1, num_kv_heads=heads,
+                      observe=Needs(window=window, attention_sums=attention_sums), compress_on_prefill=False)
+    mask = None
+    if valid is not None:
+        mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    session.prefill(0, queries, keys, values, _positions(batch, length, valid), dim**-0.5, mask=mask, token_valid=valid)
+    return TestLayer(session)
 
 
 def kept_positions(layer) -> list[list[list[int]]]:
     """Per (row, head): the sorted original positions the layer holds."""
-    lengths = layer.head_lengths()
-    flat = layer.positions.tolist()
-    out, i = [], 0
-    for row in lengths.tolist():
-        heads = []
-        for n in row:
-            heads.append(sorted(flat[i : i + n]))
-            i += n
-        out.append(heads)
+    view = layer.view()
+    out = []
+    for b, row in enumerate(view.lengths.tolist()):
+        out.append([sorted(view.positions[b, h, :n].tolist()) for h, n in enumerate(row)])
     return out
 
 
@@ -70,3 +168,9 @@ def left_padded_batch(lengths: list[int], seed: int = 0, vocab: int = 128):
         batch[i, width - row.shape[1] :] = row
         mask[i, width - row.shape[1] :] = 1
     return rows, batch, mask
+
+
+def layers_of(cache) -> list[TestLayer]:
+    """Every layer of a CompressedCache's session, as TestLayers."""
+    session = cache.session
+    return [TestLayer(session, i, session.num_layers) for i in range(session.num_layers)]

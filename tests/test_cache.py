@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from common import left_padded_batch, tiny_model
+from common import layers_of, left_padded_batch, tiny_model
 from kvcompress import CompressedCache, available_methods, get_method
-from kvcompress.cache import LayerCache
 from kvcompress.methods import REGISTRY
+from kvcompress.store.slots import LayerTable, SlotPool
 
 METHODS = [m for m in available_methods() if REGISTRY[m].needs_budget]  # full and adaptive ones (gvote) take no size
 
@@ -48,7 +48,7 @@ def test_padded_batch_matches_per_sample_runs(name):
         alone = _generate(model, row, CompressedCache(model, method))
         assert batched[i, 64:].tolist() == alone[0, row.shape[1] :].tolist(), (name, i)
     # padding is never stored: row 1 holds at most its own tokens
-    assert int(cache.layers[0].tokens_seen[1]) == 41 + 7
+    assert int(layers_of(cache)[0].tokens_seen[1]) == 41 + 7
 
 
 @pytest.mark.parametrize("name", ["h2o", "streamingllm"])
@@ -57,7 +57,7 @@ def test_decoding_eviction_keeps_the_budget(name):
     ids = torch.randint(3, 128, (1, 50))
     cache = CompressedCache(model, get_method(name, budget=16))
     _generate(model, ids, cache, new=30)
-    for layer in cache.layers:
+    for layer in layers_of(cache):
         assert int(layer.head_lengths().max()) <= 16
 
 
@@ -71,9 +71,9 @@ def test_kr_is_bytes_held_over_full_and_adakv_is_ragged():
     assert stats["kv_bytes_full"] == 2 * 120 * 2 * 2 * 16 * 4  # layers × tokens × (K,V) × heads × dim × fp32
     entry_bytes = 2 * 16 * 4
     assert stats["kv_bytes"] == pytest.approx(stats["entries"] * entry_bytes, rel=0.10)
-    for layer in cache.layers:
+    for layer in layers_of(cache):
         assert int(layer.head_lengths().sum()) == 2 * 20
-        assert layer.flat_keys.shape == (layer.num_entries, 16)  # stored without padding
+    assert cache.session.pool.num_used == stats["entries"] == 2 * 2 * 20  # stored without padding: a slot per entry
 
 
 def test_fork_equals_compressing_directly():
@@ -86,9 +86,9 @@ def test_fork_equals_compressing_directly():
         direct = CompressedCache(model, method)
         model(ids, past_key_values=direct)
         forked = shared.fork(method)
-        for a, b in zip(direct.layers, forked.layers):
-            assert torch.equal(a.positions, b.positions) and torch.equal(a.flat_keys, b.flat_keys), name
-    assert shared.layers[0].num_entries == 2 * 60  # the shared prefill is untouched
+        for a, b in zip(layers_of(direct), layers_of(forked)):
+            assert torch.equal(a.view().positions, b.view().positions) and torch.equal(a.view().keys, b.view().keys), name
+    assert layers_of(shared)[0].num_entries == 2 * 60  # the shared prefill is untouched
     before = shared.stats()
     forked = shared.fork(get_method("h2o", budget=12))
     _generate(model, ids, forked, new=5)  # decoding on a fork leaves the shared prefill as it was
@@ -110,20 +110,22 @@ def test_wrong_attention_implementation_is_refused():
         model(torch.randint(3, 128, (1, 5)), past_key_values=cache)
 
 
-def test_layer_append_and_retain_keep_ragged_segments_aligned():
-    layer = LayerCache(0, 2, 4)
+def test_table_append_and_retain_keep_ragged_heads_aligned():
+    pool = SlotPool(4)
+    table = LayerTable(2, 2)
     keys = torch.arange(2 * 2 * 5 * 4, dtype=torch.float32).view(2, 2, 5, 4)
-    layer.append(keys, -keys, torch.arange(5).expand(2, 5))
+    table.append(pool, keys, -keys, torch.arange(5).expand(2, 5))
     keep = torch.zeros(2, 2, 5, dtype=torch.bool)
     keep[0, 0, [0, 3]] = True
     keep[0, 1, [1, 2, 4]] = True
     keep[1, 0, 4] = True
     keep[1, 1, :] = True
-    layer.retain(keep)
-    assert layer.head_lengths().tolist() == [[2, 3], [1, 5]]
-    layer.append(torch.full((2, 2, 1, 4), 7.0), torch.full((2, 2, 1, 4), -7.0), torch.tensor([[5], [5]]))
-    view = layer.padded_view()
-    assert layer.head_lengths().tolist() == [[3, 4], [2, 6]]
+    table.retain(pool, keep)
+    assert table.lengths.tolist() == [[2, 3], [1, 5]]
+    assert pool.num_used == 11  # the evicted entries' slots are free again
+    table.append(pool, torch.full((2, 2, 1, 4), 7.0), torch.full((2, 2, 1, 4), -7.0), torch.tensor([[5], [5]]))
+    view = table.view(pool)
+    assert table.lengths.tolist() == [[3, 4], [2, 6]]
     assert view.positions[0, 1, :4].tolist() == [1, 2, 4, 5]
     assert torch.equal(view.keys[0, 1, 2], keys[0, 1, 4]) and torch.equal(view.values[1, 0, 1], torch.full((4,), -7.0))
     assert view.valid[0, 0].tolist() == [True, True, True, False, False, False]
@@ -137,7 +139,7 @@ def test_hidden_stats_are_the_attention_input_moments_without_padding():
     mask[1, :5] = 0
     model(ids, attention_mask=mask, past_key_values=cache)
     hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
-    obs = cache.layers[0].observations
+    obs = layers_of(cache)[0].observations
     assert torch.allclose(obs["hidden_mean"][0], hidden[0].mean(0), atol=1e-5)
     assert torch.allclose(obs["hidden_mean"][1], hidden[1, 5:].mean(0), atol=1e-5)
     assert torch.allclose(obs["hidden_std"][1], hidden[1, 5:].std(0, unbiased=False), atol=1e-5)

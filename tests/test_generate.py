@@ -23,10 +23,10 @@ def test_full_reproduces_model_generate_token_for_token(embedded, prompt):
     reference = model.generate(torch.tensor([out.prompt_ids]), max_new_tokens=24, do_sample=False)
     assert out.token_ids == reference[0, len(out.prompt_ids):].tolist()
     assert prompt.answer in out.text
-    # a 4-byte position per 512-byte fp32 entry, plus 8 bytes of length per head and layer
+    # a 4-byte slot index and a 4-byte position per 512-byte fp32 entry, plus 8 bytes of length per head and layer
     tokens = len(out.prompt_ids) + len(out.token_ids) - 1
-    assert out.stats["kv_bytes_end"] == 30 * 3 * (tokens * (512 + 4) + 8)
-    assert out.stats["kr"] == pytest.approx(1 + 4 / 512, abs=1e-4)
+    assert out.stats["kv_bytes_end"] == 30 * 3 * (tokens * (512 + 4 + 4) + 8)
+    assert out.stats["kr"] == pytest.approx(1 + 8 / 512, abs=1e-4)
 
 
 @pytest.mark.parametrize("name", [m for m in kvc.available_methods() if REGISTRY[m].needs_budget])
@@ -43,7 +43,7 @@ def test_query_agnostic_compresses_only_the_context(embedded, prompt):
     stats = out.stats
     per_layer_full = stats["context_tokens"] * 3 * 64 * 2 * 4
     assert stats["kv_bytes_full"] == 30 * per_layer_full
-    assert stats["kv_bytes"] == 30 * 3 * 64 * (2 * 64 * 4 + 4) + 30 * 3 * 8  # entries + positions + head lengths
+    assert stats["kv_bytes"] == 30 * 3 * 64 * (2 * 64 * 4 + 4 + 4) + 30 * 3 * 8  # entries + slot indices + positions + head lengths
     assert stats["kr"] == stats["kv_bytes"] / stats["kv_bytes_full"]
     assert stats["kr_end"] > stats["kr"]  # the question and answer were appended uncompressed
 
@@ -69,7 +69,7 @@ def test_bad_inputs_get_clear_errors(embedded, prompt):
 def test_budget_at_or_above_context_keeps_everything_and_says_so(embedded, prompt):
     model, tokenizer = embedded
     out = kvc.generate(model, tokenizer, prompt.context, prompt.question, kvc.get_method("snapkv", budget=5000), max_new_tokens=4)
-    assert out.stats["kr"] == pytest.approx(1 + 4 / 512, abs=1e-3)
+    assert out.stats["kr"] == pytest.approx(1 + 8 / 512, abs=1e-3)
     assert any("everything kept" in note for note in out.stats["notes"])
 
 
@@ -80,7 +80,7 @@ def test_cli_generate_prints_answer_and_stats(embedded, prompt, tmp_path, capsys
                      "--method", "full", "--max-new-tokens", "20"])
     captured = capsys.readouterr()
     assert code == 0 and prompt.answer in captured.out
-    assert "[full] kr=1.008" in captured.err
+    assert "[full] kr=1.016" in captured.err
     code = cli_main(["generate", "--context-file", str(context), "--question", prompt.question,
                      "--method", "snapkv", "--budget", "64", "--json", "--max-new-tokens", "4"])
     stats = __import__("json").loads(capsys.readouterr().out)["stats"]

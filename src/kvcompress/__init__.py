@@ -7,7 +7,7 @@
     cache = kvc.CompressedCache(model, method)          # model.generate(..., past_key_values=cache)
 """
 
-from .cache import CompressedCache
+from .hf import CompressedCache
 from .generate import GenerateOutput, generate
 from .methods import available_methods, get_method
 from .models import load_model

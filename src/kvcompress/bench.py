@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from transformers import DynamicCache
 
-from .cache import CompressedCache
+from .hf import CompressedCache
 from .methods import Method
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -19,11 +19,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import attention
-from .cache import CompressedCache
+from .hf import CompressedCache
 from .demo import haystack_text
 from .methods import Method
-from .models import attention_modules
 
 
 def text_ids(tokenizer, text: str | None, count: int) -> list[int]:
@@ -42,11 +40,7 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
         raise ValueError("context_tokens must be ≥ 1 and continuation_tokens ≥ 2")
     ids = torch.tensor([text_ids(tokenizer, text, context_tokens + continuation_tokens)], device=model.device)
     context, continuation = ids[:, :context_tokens], ids[:, context_tokens:]
-    needs = [m.needs() for m in methods]
-    shared = CompressedCache(model, compress_on_prefill=False,
-                             observation_window=max([n.window for n in needs], default=0),
-                             attention_sums=any(n.attention_sums for n in needs),
-                             hidden_stats=any(n.hidden_stats for n in needs))
+    shared = CompressedCache.shared(model, methods)
     model(context, past_key_values=shared, use_cache=True, logits_to_keep=1)
 
     full = shared.fork(shared.method)
@@ -77,13 +71,10 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
 
 def layer_errors(model, compressed: CompressedCache, reference: dict[int, tuple]) -> list[float]:
     """Per layer: the compressed layer's output for the full run's continuation queries and entries."""
-    modules = attention_modules(model)
     errors = []
-    for idx, layer in enumerate(compressed.layers):
+    for idx in range(len(compressed.layers)):
         query, key, value, positions, full_out = reference[idx]
-        probe = layer.clone()
-        probe.append(key, value, positions)
-        out, _ = attention.read(modules[idx], probe, query, positions, compressed._scaling(layer))
+        out = compressed.session.probe(idx, query, key, value, positions)
         errors.append(float((out.float() - full_out.float()).norm() / full_out.float().norm()))
     return errors
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .cache import CompressedCache
+from .hf import CompressedCache
 from .methods import Method, get_method
 from .models import model_facts
 

@@ -32,8 +32,7 @@ def test_pyramidkv_layers_hold_their_budgets():
     kept = []
     for idx in range(4):
         layer, context, _, _, _ = random_layer(length=200, window=8, seed=idx)
-        context.layer_idx = idx
-        get_method("pyramidkv", budget=40, window=8).compress(layer, context)
+        layer.compress(get_method("pyramidkv", budget=40, window=8), layer_idx=idx)
         kept.append(int(layer.head_lengths()[0, 0]))
     assert sum(kept) == 4 * 40 and kept == sorted(kept, reverse=True)
 
@@ -68,12 +67,12 @@ def test_adakv_heads_hold_different_numbers_of_entries():
     layer, context, _, _, _ = random_layer(heads=4, group=2, length=120, window=8, seed=11)
     # make head 0's attention peaky and head 3's flat, so their needs differ
     layer.observations["window_queries"][:, :2] *= 8
-    get_method("adakv", budget=30, window=8).compress(layer, context)
+    layer.compress(get_method("adakv", budget=30, window=8))
     lengths = layer.head_lengths()[0]
     assert int(lengths.sum()) == 4 * 30
     assert len(set(lengths.tolist())) > 1
     assert all(int(n) >= int(0.2 * 30) for n in lengths)
-    entry_bytes = 2 * 8 * 4 + 4  # key + value float32 + int32 position
+    entry_bytes = 2 * 8 * 4 + 4 + 4  # key + value float32, int32 slot index and position
     assert layer.nbytes() == pytest.approx(layer.num_entries * entry_bytes, rel=0.1)
 
 

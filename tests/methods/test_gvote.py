@@ -7,10 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from common import kept_positions, left_padded_batch, random_layer, tiny_model
+from common import kept_positions, layers_of, left_padded_batch, random_layer, tiny_model
 from conftest import tiny_config, tiny_tokenizer
 from kvcompress import CompressedCache, get_method
-from kvcompress.cache import LayerContext
 from kvcompress.eval.runner import EvalSettings, method_grid, run_eval
 from kvcompress.methods.gvote import (
     STATE,
@@ -56,8 +55,8 @@ def _shared(model, ids, mask=None):
 class RealQueryVotes(GVote):
     """Every sample is the last real context query itself (acceptance property 1)."""
 
-    def sampled_queries(self, layer, context):
-        q0 = layer.observations["window_queries"][:, :, -1:]
+    def sampled_queries(self, view, context):
+        q0 = context.observations["window_queries"][:, :, -1:]
         return q0.expand(-1, -1, self.samples, -1).float()
 
 
@@ -166,7 +165,7 @@ def test_projection_reproduces_the_models_own_query(kind):
         module = layer.self_attn
         q = project_queries(module, inputs[i][:, -1:], module.head_dim)
         cos, sin = averaged_rotary(model.model.rotary_emb, torch.tensor([29, 29]), 1, q)
-        observed = cache.layers[i].observations["window_queries"][:, :, -1:]
+        observed = layers_of(cache)[i].observations["window_queries"][:, :, -1:]
         assert torch.allclose(apply_rotary(q, cos, sin), observed.float(), atol=1e-5), i
 
 
@@ -177,23 +176,22 @@ def test_sampled_queries_start_after_each_rows_last_real_position():
     mask[1, :15] = 0  # row 1: 25 real tokens, positions 0..24
     shared = _shared(model, ids, mask)
     method = get_method("gvote", samples=5, future=7, seed=3)
-    for layer in shared.layers:
-        module = shared._modules[layer.layer_idx]
-        context = LayerContext(layer.layer_idx, shared.num_layers, module, shared._scaling(layer), shared._rotary)
+    for idx, layer in enumerate(layers_of(shared)):
+        context = layer.context()
         obs = layer.observations
-        hidden = sample_hidden(obs["hidden_mean"], obs["hidden_std"], 5, generator_for(3, layer.layer_idx))
-        q = project_queries(module, hidden, 16)
-        cos, sin = averaged_rotary(shared._rotary, torch.tensor([40, 25]), 7, q)
-        assert torch.allclose(method.sampled_queries(layer, context), apply_rotary(q, cos, sin), atol=1e-6)
+        hidden = sample_hidden(obs["hidden_mean"], obs["hidden_std"], 5, generator_for(3, idx))
+        q = project_queries(context.module, hidden, 16)
+        cos, sin = averaged_rotary(context.rotary, torch.tensor([40, 25]), 7, q)
+        assert torch.allclose(method.sampled_queries(layer.view(), context), apply_rotary(q, cos, sin), atol=1e-6)
 
 
 # ----- the acceptance properties ------------------------------------------------------------------
 @pytest.mark.parametrize("p_nuc", [0.5, 0.9, 1.0])
 def test_samples_equal_to_the_real_query_keep_its_top_p_set(p_nuc):
     layer, context, queries, _, _ = random_layer(batch=2, heads=2, group=3, length=64, window=8, seed=3, lengths=[64, 40])
-    view = layer.padded_view()
+    view = layer.view()
     keys, valid, positions = view.keys.clone(), view.valid.clone(), view.positions.clone()
-    RealQueryVotes(p_nuc=p_nuc, samples=4).compress(layer, context)
+    layer.compress(RealQueryVotes(p_nuc=p_nuc, samples=4))
     reference = reference_top_p(keys, valid, queries[:, :, -1], context.scaling, p_nuc, 3)
     for b, row in enumerate(kept_positions(layer)):
         for h, kept in enumerate(row):
@@ -204,12 +202,12 @@ def test_samples_equal_to_the_real_query_on_a_model():
     model = sharp_model()
     shared = _shared(model, _ids(60))
     references = []
-    for layer in shared.layers:
-        view = layer.padded_view()
+    for layer in layers_of(shared):
+        view = layer.view()
         q0 = layer.observations["window_queries"][:, :, -1]
-        references.append(reference_top_p(view.keys, view.valid, q0, shared._scaling(layer), 0.9, 2))
+        references.append(reference_top_p(view.keys, view.valid, q0, layer.scaling, 0.9, 2))
     forked = shared.fork(RealQueryVotes(p_nuc=0.9))
-    for layer, reference in zip(forked.layers, references):
+    for layer, reference in zip(layers_of(forked), references):
         assert kept_positions(layer) == [[sorted(s) for s in row] for row in reference]
     assert forked.stats()["cr"] < 1.0
 
@@ -219,9 +217,9 @@ def test_include_current_adds_exactly_the_real_querys_top_p_set():
     shared = _shared(model, _ids(60))
     plain = shared.fork(get_method("gvote", p_nuc=0.9))
     voting = shared.fork(get_method("gvote", p_nuc=0.9, include_current=True))
-    for layer, a, b in zip(shared.layers, plain.layers, voting.layers):
-        view = layer.padded_view()
-        top_p = reference_top_p(view.keys, view.valid, layer.observations["window_queries"][:, :, -1], shared._scaling(layer), 0.9, 2)
+    for layer, a, b in zip(layers_of(shared), layers_of(plain), layers_of(voting)):
+        view = layer.view()
+        top_p = reference_top_p(view.keys, view.valid, layer.observations["window_queries"][:, :, -1], layer.scaling, 0.9, 2)
         for h, (mine, theirs) in enumerate(zip(kept_positions(a)[0], kept_positions(b)[0])):
             assert set(theirs) == set(mine) | top_p[0][h]
 
@@ -231,7 +229,7 @@ def test_keep_set_grows_monotonically_with_samples():
     shared = _shared(model, _ids(80))
     previous, sizes = None, []
     for samples in (1, 2, 4, 8, 16, 32):
-        kept = [kept_positions(layer) for layer in shared.fork(get_method("gvote", samples=samples, seed=5)).layers]
+        kept = [kept_positions(layer) for layer in layers_of(shared.fork(get_method("gvote", samples=samples, seed=5)))]
         if previous is not None:
             for layer_prev, layer_now in zip(previous, kept):
                 for row_prev, row_now in zip(layer_prev, layer_now):
@@ -246,12 +244,12 @@ def test_keep_set_is_the_union_of_every_sample_and_query_heads_top_budget():
     model = sharp_model()
     shared = _shared(model, _ids(50))
     method = get_method("gvote", samples=3)
-    for layer in shared.layers:
-        context = LayerContext(layer.layer_idx, shared.num_layers, shared._modules[layer.layer_idx], shared._scaling(layer), shared._rotary)
+    for layer in layers_of(shared):
+        context = layer.context()
         twin = layer.clone()
-        budgets = method.step_budgets(twin, context)
-        sampled = method.sampled_queries(twin, context)
-        keys = twin.padded_view().keys
+        budgets = method.step_budgets(twin.view(), context)
+        sampled = method.sampled_queries(twin.view(), context)
+        keys = twin.view().keys
         expected = []
         for h in range(2):
             kept = set()
@@ -260,7 +258,7 @@ def test_keep_set_is_the_union_of_every_sample_and_query_heads_top_budget():
                     logits = keys[0, h].float() @ sampled[0, h * 2 + g, s] * context.scaling
                     kept |= set(torch.topk(logits, int(budgets[0, h, g])).indices.tolist())
             expected.append(sorted(kept))
-        method.compress(twin, context)
+        twin.compress(method)
         assert kept_positions(twin)[0] == expected  # positions 0..49 are the indices
 
 
@@ -274,10 +272,11 @@ def test_same_seed_gives_identical_results_and_another_seed_differs():
         return cache
 
     a, b, c = run(0), run(0), run(1)
-    for la, lb in zip(a.layers, b.layers):
-        assert torch.equal(la.positions, lb.positions) and torch.equal(la.flat_keys, lb.flat_keys)
-        assert torch.equal(la.lengths, lb.lengths)
-    assert any(not torch.equal(la.lengths, lc.lengths) or not torch.equal(la.positions, lc.positions) for la, lc in zip(a.layers, c.layers))
+    for la, lb in zip(layers_of(a), layers_of(b)):
+        assert torch.equal(la.view().positions, lb.view().positions) and torch.equal(la.view().keys, lb.view().keys)
+        assert torch.equal(la.head_lengths(), lb.head_lengths())
+    assert any(not torch.equal(la.head_lengths(), lc.head_lengths()) or not torch.equal(la.view().positions, lc.view().positions)
+               for la, lc in zip(layers_of(a), layers_of(c)))
 
 
 # ----- adaptive sizes, stats, integration ----------------------------------------------------------
@@ -286,11 +285,11 @@ def test_budget_is_chosen_per_head_and_recorded():
     cache = CompressedCache(model, get_method("gvote"))
     model(_ids(90), past_key_values=cache)
     stats = cache.stats()
-    sizes = [layer.head_lengths() for layer in cache.layers]
+    sizes = [layer.head_lengths() for layer in layers_of(cache)]
     assert len({int(x) for s in sizes for x in s.flatten()}) > 1  # heads keep different numbers of entries
     assert stats["entries_per_head"] == pytest.approx(sum(int(s.sum()) for s in sizes) / (2 * 2))
     assert stats["cr"] == pytest.approx(stats["entries_per_head"] / 90)
-    for layer in cache.layers:
+    for layer in layers_of(cache):
         record = layer.state[STATE]
         assert torch.equal(record.kept, layer.head_lengths())
         assert record.step_budgets.shape == (1, 4)
@@ -314,7 +313,7 @@ def test_qwen3_qk_norm_path_compresses_and_decodes():
     cache = CompressedCache(model, get_method("gvote", p_nuc=0.9))
     out = model.generate(_ids(80), past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 86)
-    assert cache.layers[0].state[STATE].kept.sum() < 2 * 80
+    assert layers_of(cache)[0].state[STATE].kept.sum() < 2 * 80
 
 
 def test_padded_batch_matches_per_sample_runs():
@@ -323,13 +322,13 @@ def test_padded_batch_matches_per_sample_runs():
     method = get_method("gvote")
     cache = CompressedCache(model, method)
     batched = model.generate(batch, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    kept_batch = [kept_positions(layer) for layer in cache.layers]
+    kept_batch = [kept_positions(layer) for layer in layers_of(cache)]
     sizes = set()
     for i, row in enumerate(rows):
         alone_cache = CompressedCache(model, method)
         alone = model.generate(row, past_key_values=alone_cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert batched[i, 64:].tolist() == alone[0, row.shape[1] :].tolist()
-        for layer_b, layer_a in zip(kept_batch, (kept_positions(layer) for layer in alone_cache.layers)):
+        for layer_b, layer_a in zip(kept_batch, (kept_positions(layer) for layer in layers_of(alone_cache))):
             assert layer_b[i] == layer_a[0]  # same keep-set: padding left out of the hidden statistics and the votes
             sizes |= {len(h) for h in layer_a[0]}
     assert len(sizes) > 2  # rows and heads keep different numbers of entries
@@ -344,8 +343,8 @@ def test_fork_equals_compressing_directly():
         direct = CompressedCache(model, method)
         model(ids, past_key_values=direct)
         forked = shared.fork(method)
-        for a, b in zip(direct.layers, forked.layers):
-            assert torch.equal(a.positions, b.positions) and torch.equal(a.flat_keys, b.flat_keys)
+        for a, b in zip(layers_of(direct), layers_of(forked)):
+            assert torch.equal(a.view().positions, b.view().positions) and torch.equal(a.view().keys, b.view().keys)
     no_stats = CompressedCache(model, compress_on_prefill=False, observation_window=32)
     model(ids, past_key_values=no_stats)
     with pytest.raises(ValueError, match="hidden_stats"):
@@ -362,7 +361,7 @@ def test_budget_and_ratio_are_refused():
     assert get_method("gvote").needs().hidden_stats and get_method("gvote").needs().window == 1
     layer, context, _, _, _ = random_layer()
     with pytest.raises(ValueError, match="CompressedCache"):  # no module, rotary or hidden statistics
-        get_method("gvote").compress(layer, context)
+        layer.compress(get_method("gvote"))
 
 
 def test_moment_correction_folds_exactly_the_dropped_entries():
@@ -370,11 +369,11 @@ def test_moment_correction_folds_exactly_the_dropped_entries():
     shared = _shared(model, _ids(70))
     plain = shared.fork(get_method("gvote"))
     corrected = shared.fork(get_method("gvote", moment_correction=True))
-    for full, a, b in zip(shared.layers, plain.layers, corrected.layers):
-        assert torch.equal(a.positions, b.positions)  # the keep-set is GVote's either way
+    for full, a, b in zip(layers_of(shared), layers_of(plain), layers_of(corrected)):
+        assert torch.equal(a.view().positions, b.view().positions)  # the keep-set is GVote's either way
         assert a.summary is None and b.summary is b.state[MOMENTS]
         moments = b.state[MOMENTS]
-        keys = full.padded_view().keys
+        keys = full.view().keys
         for h, kept in enumerate(kept_positions(b)[0]):
             gone = sorted(set(range(70)) - set(kept))
             assert int(moments.count[0, h]) == len(gone)
@@ -401,25 +400,21 @@ def test_gvote_as_the_budget_source_of_another_method(selector):
     shared = _shared_for(model, _ids(90), method)
     own = shared.fork(get_method("gvote"))
     composed = shared.fork(method)
-    for full, mine, theirs in zip(shared.layers, own.layers, composed.layers):
+    for full, mine, theirs in zip(layers_of(shared), layers_of(own), layers_of(composed)):
         # GVote's sizes plus what the selector always keeps (its window and sinks)
         assert bool((theirs.head_lengths() >= mine.head_lengths()).all())
         if selector == "snapkv":
             assert torch.equal(theirs.head_lengths(), torch.clamp(mine.head_lengths() + 32, max=90))
         reference = full.clone()
-        get_method(selector, budget=8).compress_to(reference, _context(shared, full), mine.head_lengths())
+        reference.compress(get_method(selector, budget=8), sizes=mine.head_lengths())
         assert kept_positions(theirs) == kept_positions(reference)  # the selector's entries
     if selector == "momentkv":
-        assert all(layer.summary is layer.state[MOMENTS] for layer in composed.layers if layer.num_entries < 2 * 90)
+        assert all(layer.summary is layer.state[MOMENTS] for layer in layers_of(composed) if layer.num_entries < 2 * 90)
     if selector == "keepkv":
         assert composed.merge_error is not None and composed.merge_error <= 1e-4
     out = model(_ids(3, seed=5), past_key_values=composed).logits  # decoding runs on the composed cache
     assert torch.isfinite(out).all()
 
-
-def _context(cache, layer):
-    """The LayerContext the cache gives a layer at compression (module, scaling, rotary)."""
-    return LayerContext(layer.layer_idx, cache.num_layers, cache._modules[layer.layer_idx], cache._scaling(layer), cache._rotary)
 
 
 def test_select_with_refuses_what_cannot_take_sizes():

@@ -4,7 +4,7 @@ import torch
 
 from common import kept_positions, random_layer
 from kvcompress import get_method
-from kvcompress.cache import _attention_sums
+from kvcompress.read import prompt_attention, prompt_column_sums
 
 
 def reference_attention_sums(keys, queries, scaling, group):
@@ -17,18 +17,33 @@ def reference_attention_sums(keys, queries, scaling, group):
     return probs.sum(dim=3).mean(dim=2)
 
 
+def _sums(layer, queries, chunk=128):
+    keys, values = layer.view().keys, layer.view().values
+    _, lse = prompt_attention(queries, keys, values, layer.scaling, want_lse=True)
+    return prompt_column_sums(queries, keys, lse, layer.scaling, chunk=chunk)
+
+
 def test_attention_sums_match_reference():
     layer, context, queries, positions, _ = random_layer(batch=2, heads=2, group=2, length=40, seed=7)
-    sums = _attention_sums(layer, queries, positions, None, context.scaling, chunk=7)
-    ref = reference_attention_sums(layer.padded_view().keys, queries, context.scaling, 2)
-    assert torch.allclose(sums.view(2, 2, 40).double(), ref, atol=1e-4)
+    sums = _sums(layer, queries, chunk=7)
+    ref = reference_attention_sums(layer.view().keys, queries, context.scaling, 2)
+    assert torch.allclose(sums.double(), ref, atol=1e-4)
+
+
+def test_prefill_records_the_sums_without_padding():
+    """A left-padded row's sums are its own prompt's alone, laid out like its entries."""
+    padded, _, queries, _, valid = random_layer(batch=2, length=40, seed=7, lengths=[40, 27], attention_sums=True)
+    row = padded.observations["attention_sums"][1, :, :27]
+    keys = padded.view().keys[1:, :, :27]
+    ref = reference_attention_sums(keys, queries[1:, :, 13:], padded.scaling, 2)
+    assert torch.allclose(row.double(), ref[0], atol=1e-4)
 
 
 def test_keep_set_is_top_scores_plus_recent():
-    layer, context, queries, positions, _ = random_layer(length=40, seed=8)
-    sums = _attention_sums(layer, queries, positions, None, context.scaling)
-    layer.observations["entry:attention_sums"] = sums
-    get_method("h2o", budget=12, recent_ratio=0.5).compress(layer, context)
+    layer, context, queries, positions, _ = random_layer(length=40, seed=8, attention_sums=True)
+    sums = _sums(layer, queries)
+    assert torch.allclose(layer.observations["attention_sums"], sums)
+    layer.compress(get_method("h2o", budget=12, recent_ratio=0.5))
     scores = sums.view(1, 2, 40)
     for h, kept in enumerate(kept_positions(layer)[0]):
         heavy = torch.topk(scores[0, h, :34], 6).indices.tolist()
@@ -36,17 +51,17 @@ def test_keep_set_is_top_scores_plus_recent():
 
 
 def test_decoding_never_exceeds_budget_and_accumulates_scores():
-    layer, context, queries, positions, _ = random_layer(length=30, seed=9)
-    layer.observations["entry:attention_sums"] = _attention_sums(layer, queries, positions, None, context.scaling)
+    layer, context, queries, positions, _ = random_layer(length=30, seed=9, attention_sums=True)
     method = get_method("h2o", budget=10)
-    method.compress(layer, context)
+    layer.compress(method)
     for step in range(30, 60):
         layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[step]]))
-        length = layer.padded_view().keys.shape[2]
-        probs = torch.softmax(torch.randn(1, 2, 2, 1, length), dim=-1)
-        before = layer.extras["h2o_score"].clone()
-        method.after_decode_step(layer, probs, context)
+        length = layer.view().positions.shape[2]
+        col_sums = torch.softmax(torch.randn(1, 2, 2, 1, length), dim=-1).sum(dim=3).mean(dim=2)
+        before = layer.view().channels["h2o_score"].clone()
+        layer.decode_step(method, col_sums)
         assert int(layer.head_lengths().max()) <= 10
-        assert layer.extras["h2o_score"].shape[0] == layer.num_entries
-        assert float(layer.extras["h2o_score"].sum()) >= float(before.sum()) - 2.0  # one entry per head left
+        scores = layer.view().channels["h2o_score"]
+        assert scores.shape == (1, 2, layer.view().positions.shape[2])
+        assert float(scores.sum()) >= float(before.sum()) - 2.0  # one entry per head left
     assert all(59 in head and 55 in head for head in kept_positions(layer)[0])  # recent half kept

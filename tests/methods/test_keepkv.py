@@ -3,18 +3,11 @@
 import pytest
 import torch
 
-from common import random_layer, tiny_model
+from common import layer_from, layers_of, random_layer, tiny_model
 from kvcompress import CompressedCache, get_method
-from kvcompress.attention import group_queries, read
-from kvcompress.cache import LayerCache, LayerContext
 from kvcompress.methods.keepkv import EXTERNAL
 from kvcompress.methods.merging import MergePlan, query_reference, relative_error, reference_output, zip_merge
-
-
-class _Module:
-    num_key_value_groups = 2
-    training = False
-    is_causal = True
+from kvcompress.read import group_queries, read
 
 
 def reference_query(window_queries, heads):
@@ -33,18 +26,23 @@ def attend64(q, keys, values, log_weights=None, scaling=1.0, valid=None):
 
 
 def held(layer):
-    view = layer.padded_view()
-    votes = layer.padded(layer.log_weights) if layer.log_weights is not None else None
-    return view.keys, view.values, votes, view.valid
+    view = layer.view()
+    return view.keys, view.values, view.log_weights, view.valid
 
 
 def votes_per_head(layer):
     """Σ p per (row, head) [B, H] float64."""
-    view = layer.padded_view()
+    view = layer.view()
     p = torch.ones(view.positions.shape, dtype=torch.float64)
-    if layer.log_weights is not None:
-        p = layer.padded(layer.log_weights).double().exp()
+    if view.log_weights is not None:
+        p = view.log_weights.double().exp()
     return (p * (view.valid if view.valid is not None else 1)).sum(-1)
+
+
+def held_keys(layer):
+    """The keys of the entries held [N, d]."""
+    view = layer.view()
+    return view.flat(view.keys)
 
 
 PAPER = {"max_key_scale": float("inf")}  # the paper's unbounded ZIP key
@@ -54,12 +52,12 @@ PAPER = {"max_key_scale": float("inf")}  # the paper's unbounded ZIP key
 def test_reference_query_output_is_unchanged_by_compression(options):
     """The paper's claim, in float32: after compression q̄'s output equals the uncompressed one (every key rule)."""
     layer, context, queries, _, valid = random_layer(batch=2, heads=2, group=2, length=96, dim=16, window=8, seed=1, lengths=[96, 70])
-    view = layer.padded_view()
+    view = layer.view()
     keys, values, full_valid = view.keys.clone(), view.values.clone(), view.valid
     q = reference_query(layer.observations["window_queries"], 2)
     expected, lse_before = attend64(q, keys, values, scaling=context.scaling, valid=full_valid)
     method = get_method("keepkv", budget=24, window=8, **options)
-    method.compress(layer, context)
+    layer.compress(method)
     assert layer.head_lengths().tolist() == [[24, 24], [24, 24]]
     assert layer.state["dropped"] == 0
     k, v, log_p, kvalid = held(layer)
@@ -67,7 +65,8 @@ def test_reference_query_output_is_unchanged_by_compression(options):
     assert relative_error(out, expected) <= 1e-4
     assert torch.allclose(lse_after, lse_before, atol=1e-4)  # no attention sag: the mass is all there
     assert layer.state["merge_error"] <= 1e-4
-    assert float(layer.log_weights.min()) >= -1e-6 and float(layer.log_weights.exp().max()) >= 3  # p ≥ 1, groups of several
+    log_p = layer.view().flat(layer.view().log_weights)
+    assert float(log_p.min()) >= -1e-6 and float(log_p.exp().max()) >= 3  # p ≥ 1, groups of several
     tokens = torch.tensor([[96.0, 96.0], [70.0, 70.0]], dtype=torch.float64)
     if options is PAPER:  # p_r = Σ p: every token keeps its vote
         assert layer.state.get("zip_fallbacks", 0) == 0
@@ -78,74 +77,72 @@ def test_reference_query_output_is_unchanged_by_compression(options):
 
 def test_bounded_key_scale_keeps_merged_keys_in_range_where_the_paper_blows_them_up():
     """Reference logits near 0 with a spread: T/λ̄ is large, so the paper's key leaves the range of real keys."""
-    layer, context, _, _, _ = random_layer(heads=2, group=2, length=64, dim=16, window=8, seed=11)
-    layer.flat_keys = layer.flat_keys * 0.3  # small logits: λ̄ ≈ 0 for many groups
-    layer.set_log_weights(None)
-    largest = float(layer.flat_keys.norm(dim=-1).max())
+    layer, context, _, _, _ = random_layer(heads=2, group=2, length=64, dim=16, window=8, seed=11, key_scale=0.3)  # small logits: λ̄ ≈ 0 for many groups
+    largest = float(held_keys(layer).norm(dim=-1).max())
     paper, bounded = layer.clone(), layer.clone()
-    get_method("keepkv", budget=16, window=8, **PAPER).compress(paper, context)
-    get_method("keepkv", budget=16, window=8).compress(bounded, context)
-    assert float(paper.flat_keys.norm(dim=-1).max()) > 2 * largest
-    assert float(bounded.flat_keys.norm(dim=-1).max()) <= 1.25 * largest + 1e-5
+    paper.compress(get_method("keepkv", budget=16, window=8, **PAPER))
+    bounded.compress(get_method("keepkv", budget=16, window=8))
+    assert float(held_keys(paper).norm(dim=-1).max()) > 2 * largest
+    assert float(held_keys(bounded).norm(dim=-1).max()) <= 1.25 * largest + 1e-5
     assert bounded.state["zip_fallbacks"] > 0
     assert paper.state["merge_error"] <= 1e-4 and bounded.state["merge_error"] <= 1e-4  # both exact for q̄
 
 
 def test_huge_logits_stay_exact_and_finite():
-    layer, context, _, _, _ = random_layer(batch=1, heads=2, group=2, length=64, dim=16, window=8, seed=2)
-    layer.flat_keys = layer.flat_keys * 40  # logits in the hundreds: e^λ overflows float32 and float64 alike
-    layer.set_log_weights(None)
-    view = layer.padded_view()
+    # logits in the hundreds: e^λ overflows float32 and float64 alike
+    layer, context, _, _, _ = random_layer(batch=1, heads=2, group=2, length=64, dim=16, window=8, seed=2, key_scale=40.0)
+    view = layer.view()
     keys, values = view.keys.clone(), view.values.clone()
     q = reference_query(layer.observations["window_queries"], 2)
     expected, _ = attend64(q, keys, values, scaling=context.scaling)
-    get_method("keepkv", budget=16, window=8).compress(layer, context)
+    layer.compress(get_method("keepkv", budget=16, window=8))
     k, v, log_p, _ = held(layer)
     out, _ = attend64(q, k, v, log_p, context.scaling)
-    assert torch.isfinite(layer.flat_keys).all() and torch.isfinite(layer.log_weights).all()
+    assert torch.isfinite(held_keys(layer)).all() and torch.isfinite(layer.view().log_weights).all()
     assert relative_error(out, expected) <= 1e-3
 
 
 def test_ratio_one_keeps_everything_untouched():
     layer, context, _, _, _ = random_layer(length=40, window=8, seed=3)
-    keys = layer.flat_keys.clone()
-    get_method("keepkv", ratio=1.0, window=8).compress(layer, context)
-    assert torch.equal(layer.flat_keys, keys) and layer.log_weights is None
+    keys = layer.view().keys.clone()
+    layer.compress(get_method("keepkv", ratio=1.0, window=8))
+    assert torch.equal(layer.view().keys, keys) and layer.view().log_weights is None
     assert layer.state["merge_error"] == 0.0
 
 
 def _decode(layer, method, context, steps, start, seed=0, check=None):
     """Append random tokens one by one, read through the layer (votes included), let the method act."""
     gen = torch.Generator().manual_seed(seed)
-    b, h, d = layer.batch_size, layer.num_kv_heads, layer.head_dim
+    b, h = layer.head_lengths().shape
+    d = layer.view().keys.shape[-1]
     for step in range(start, start + steps):
         key, value = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
         query = torch.randn(b, 2 * h, 1, d, generator=gen) * 2
         positions = torch.full((b, 1), step)
         layer.append(key, value, positions)
-        _, probs = read(_Module(), layer, query, positions, context.scaling, return_probs=True)
-        step_context = LayerContext(0, 4, None, context.scaling, None, query, positions)
-        before = reference_output(query_reference(layer, step_context), *_held_reference_args(layer), context.scaling)[0]
-        method.after_decode_step(layer, probs, step_context)
+        view = layer.view()
+        col_sums = read(query, positions, view, layer.scaling, col_sums=True).col_sums
+        step_context = layer.context(query, positions)
+        before = reference_output(query_reference(view, step_context), *_held_reference_args(layer), layer.scaling)[0]
+        layer.decode_step(method, col_sums, query, positions)
         if check is not None:
             check(layer, step, key, value, query, step_context, before)
 
 
 def _held_reference_args(layer):
-    view = layer.padded_view()
-    votes = layer.padded(layer.log_weights) if layer.log_weights is not None else None
-    return view.keys, view.values, view.positions, view.valid, votes
+    view = layer.view()
+    return view.keys, view.values, view.positions, view.valid, view.log_weights
 
 
 def test_votes_travel_through_decoding_and_the_budget_holds():
     layer, context, _, _, _ = random_layer(batch=2, heads=2, group=2, length=48, dim=8, window=8, seed=4, lengths=[48, 33])
     method = get_method("keepkv", budget=16, window=8, **PAPER)
-    method.compress(layer, context)
+    layer.compress(method)
     merged_at_prefill = layer.state["merged"]
 
     def check(layer, step, *_):
         assert int(layer.head_lengths().max()) <= 16
-        assert float(layer.log_weights.min()) >= -1e-6  # p ≥ 1
+        assert float(layer.view().flat(layer.view().log_weights).min()) >= -1e-6  # p ≥ 1
         seen = layer.tokens_seen.double()[:, None].expand(-1, 2)
         assert torch.allclose(votes_per_head(layer), seen, atol=1e-3)  # nothing dropped: every token is somewhere
 
@@ -156,10 +153,10 @@ def test_votes_travel_through_decoding_and_the_budget_holds():
 def test_decoding_merges_are_exact_for_the_current_query():
     layer, context, _, _, _ = random_layer(heads=2, group=2, length=40, dim=8, window=8, seed=5)
     method = get_method("keepkv", budget=12, window=8)
-    method.compress(layer, context)
+    layer.compress(method)
 
     def check(layer, step, key, value, query, step_context, before):
-        after = reference_output(query_reference(layer, step_context), *_held_reference_args(layer), context.scaling)[0]
+        after = reference_output(query_reference(layer.view(), step_context), *_held_reference_args(layer), context.scaling)[0]
         assert relative_error(after, before) <= 1e-4
 
     _decode(layer, method, context, steps=10, start=40, check=check)
@@ -168,7 +165,7 @@ def test_decoding_merges_are_exact_for_the_current_query():
 def test_slack_lets_heads_grow_then_merges_back():
     layer, context, _, _, _ = random_layer(length=40, dim=8, window=8, seed=6)
     method = get_method("keepkv", budget=12, window=8, slack=4)
-    method.compress(layer, context)
+    layer.compress(method)
     lengths = []
     _decode(layer, method, context, steps=15, start=40, check=lambda layer, *_: lengths.append(int(layer.head_lengths().max())))
     assert max(lengths) == 16 and 12 in lengths[1:]
@@ -177,12 +174,12 @@ def test_slack_lets_heads_grow_then_merges_back():
 def test_ema_importance_is_bias_corrected():
     layer, context, _, _, _ = random_layer(length=30, dim=8, window=8, seed=7)
     method = get_method("keepkv", ratio=1.0, window=8, ema_decay=0.5)
-    method.compress(layer, context)
+    layer.compress(method)
     layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[30]]))
-    probs = torch.zeros(1, 2, 2, 1, 31)
-    probs[..., -1] = 0.7  # the new entry receives 0.7 from both query heads at its first update
-    method.after_decode_step(layer, probs, LayerContext(0, 4, None, context.scaling, None, torch.randn(1, 4, 1, 8), torch.tensor([[30]])))
-    assert float(method.importance(layer)[0, 0, -1]) == pytest.approx(0.7)  # not (1 − α)·0.7
+    col_sums = torch.zeros(1, 2, 31)
+    col_sums[..., -1] = 0.7  # the new entry receives 0.7 from both query heads at its first update
+    layer.decode_step(method, col_sums, torch.randn(1, 4, 1, 8), torch.tensor([[30]]))
+    assert float(method.importance(layer.view())[0, 0, -1]) == pytest.approx(0.7)  # not (1 − α)·0.7
 
 
 def _orthogonal_layer(length=40, dim=8, seed=8):
@@ -190,19 +187,16 @@ def _orthogonal_layer(length=40, dim=8, seed=8):
     gen = torch.Generator().manual_seed(seed)
     keys, values = torch.randn(1, 2, length, dim, generator=gen), torch.randn(1, 2, length, dim, generator=gen)
     keys[..., 0] = 0.0
-    layer = LayerCache(0, 2, dim)
-    layer.append(keys, values, torch.arange(length).expand(1, length))
-    queries = torch.zeros(1, 4, 8, dim)
-    queries[..., 0] = torch.randn(1, 4, 8, generator=gen)
-    layer.observations["window_queries"] = queries
-    layer.observations["window_positions"] = torch.arange(length - 8, length).expand(1, 8)
-    return layer, LayerContext(0, 4, None, dim**-0.5)
+    queries = torch.zeros(1, 4, length, dim)
+    queries[:, :, -8:, 0] = torch.randn(1, 4, 8, generator=gen)
+    layer = layer_from(keys, values, queries, window=8)
+    return layer, layer.context()
 
 
 def test_cancelling_logits_fall_back_to_the_votes_rule_and_are_counted():
     layer, context = _orthogonal_layer()
-    get_method("keepkv", budget=16, window=8).compress(layer, context)
-    carriers = int((layer.log_weights > 1e-6).sum())
+    layer.compress(get_method("keepkv", budget=16, window=8))
+    carriers = int((layer.view().log_weights > 1e-6).sum())
     assert carriers > 0 and layer.state["zip_fallbacks"] == carriers
     assert any("fallback" in note for note in layer.notes)
     assert layer.state["merge_error"] <= 1e-5  # all logits are 0: the convex key with p_r = Σ p is exact here
@@ -246,8 +240,8 @@ def test_unknown_key_rule_and_bad_scale_are_refused():
 def test_similarity_threshold_drops_instead_of_merging():
     base, context, _, _, _ = random_layer(heads=2, length=64, dim=8, window=8, seed=9)
     strict, loose = base.clone(), base.clone()
-    get_method("keepkv", budget=16, window=8, similarity_threshold=0.9).compress(strict, context)
-    get_method("keepkv", budget=16, window=8, similarity_threshold=-1.0).compress(loose, context)
+    strict.compress(get_method("keepkv", budget=16, window=8, similarity_threshold=0.9))
+    loose.compress(get_method("keepkv", budget=16, window=8, similarity_threshold=-1.0))
     assert strict.state["dropped"] > 0 and loose.state["dropped"] == 0
     assert strict.state["dropped"] + strict.state["merged"] == loose.state["merged"] == 2 * (64 - 16)
     total = float(votes_per_head(strict).sum())
@@ -257,10 +251,10 @@ def test_similarity_threshold_drops_instead_of_merging():
 
 def test_refresh_brings_the_error_back_to_its_post_compression_level():
     layer, context, queries, _, _ = random_layer(heads=2, group=2, length=48, dim=8, window=8, seed=10)
-    full_keys, full_values = [layer.padded_view().keys.clone()], [layer.padded_view().values.clone()]
+    full_keys, full_values = [layer.view().keys.clone()], [layer.view().values.clone()]
     all_queries = [queries]
     method = get_method("keepkv", budget=12, window=8, refresh_every=4)
-    method.compress(layer, context)
+    layer.compress(method)
     post_compression = layer.state["merge_error"]
     assert post_compression <= 1e-4
     assert layer.state["external_kv_bytes"] == layer.state[EXTERNAL].size_bytes() > 0
@@ -281,7 +275,7 @@ def test_refresh_brings_the_error_back_to_its_post_compression_level():
         assert errors[step] <= 1e-4
     assert max(e for s, e in errors.items() if s not in (51, 55, 59)) > 1e-3  # in between, decoding merges drift
     assert layer.state["merge_error"] <= 1e-4 and int(layer.head_lengths().max()) <= 12
-    entries = layer.num_entries * (2 * 8 * 4 + 4 + 4 + 2 * 4) + 2 * 8  # K, V, position, vote, EMA pair; lengths
+    entries = layer.num_entries * (2 * 8 * 4 + 4 + 4 + 4 + 2 * 4) + 2 * 8  # K, V, slot index, position, vote, EMA pair; lengths
     assert layer.nbytes() == entries  # the CPU copy is not counted in kr
 
 
@@ -291,7 +285,7 @@ def test_cache_reports_merge_error_and_kr_with_a_tiny_model():
     cache = CompressedCache(model, get_method("keepkv", budget=16, window=8))
     model(ids, past_key_values=cache)
     assert cache.merge_error is not None and cache.merge_error <= 1e-4
-    assert all(layer.num_entries == 2 * 16 for layer in cache.layers)
+    assert all(layer.num_entries == 2 * 16 for layer in layers_of(cache))
     stats = cache.stats()
     assert stats["kr"] < 0.5
-    assert stats["merge_counts"]["merged"] == sum(layer.state["merged"] for layer in cache.layers) > 0
+    assert stats["merge_counts"]["merged"] == sum(layer.state["merged"] for layer in layers_of(cache)) > 0

@@ -3,18 +3,18 @@
 import pytest
 import torch
 
-from common import left_padded_batch, random_layer, tiny_model
+from common import layers_of, left_padded_batch, random_layer, tiny_model
 from kvcompress import CompressedCache, get_method
-from kvcompress.attention import group_queries
 from kvcompress.methods.merging import MergePlan, group_combine, nearest_carriers, relative_error
+from kvcompress.read import group_queries
 
 
 def _reference_output(layer, q, scaling):
     """q [B, H, d] float64 over what the layer holds (votes included): output [B, H, d], lse [B, H]."""
-    view = layer.padded_view()
+    view = layer.view()
     logits = torch.einsum("bhd,bhld->bhl", q, view.keys.double()) * scaling
-    if layer.log_weights is not None:
-        logits = logits + layer.padded(layer.log_weights).double()
+    if view.log_weights is not None:
+        logits = logits + view.log_weights.double()
     if view.valid is not None:
         logits = logits.masked_fill(~view.valid, float("-inf"))
     return torch.einsum("bhl,bhld->bhd", torch.softmax(logits, -1), view.values.double()), torch.logsumexp(logits, -1)
@@ -26,7 +26,7 @@ def test_both_sides_of_the_argument(name, options):
     layer, context, _, _, _ = random_layer(batch=2, heads=2, group=2, length=96, dim=16, window=8, seed=1, lengths=[96, 70])
     q = group_queries(layer.observations["window_queries"].double(), 2).mean(dim=(2, 3))
     expected, lse_before = _reference_output(layer, q, context.scaling)
-    get_method(name, budget=24, window=8, **options).compress(layer, context)
+    layer.compress(get_method(name, budget=24, window=8, **options))
     out, lse_after = _reference_output(layer, q, context.scaling)
     error = relative_error(out, expected)
     assert layer.state["merge_error"] == pytest.approx(error, rel=1e-3, abs=1e-6)
@@ -36,7 +36,7 @@ def test_both_sides_of_the_argument(name, options):
             assert layer.state.get("zip_fallbacks", 0) == 0
         assert torch.allclose(lse_after, lse_before, atol=1e-4)
     else:
-        assert layer.log_weights is None  # no votes
+        assert layer.view().log_weights is None  # no votes
         assert bool((lse_after < lse_before).all())  # Σ_j exp(logit_j) shrank in every head
         assert error > 1e-3
         if options:
@@ -45,12 +45,12 @@ def test_both_sides_of_the_argument(name, options):
 
 def test_cam_keeps_carrier_keys_and_d2o_mixes_them():
     layer, context, _, _, _ = random_layer(length=64, dim=8, window=8, seed=2)
-    keys = layer.padded_view().keys.clone()
+    keys = layer.view().keys.clone()
     cam, d2o = layer.clone(), layer.clone()
-    get_method("cam", budget=16, window=8).compress(cam, context)
-    get_method("d2o", budget=16, window=8, similarity_threshold=-1.0).compress(d2o, context)
+    cam.compress(get_method("cam", budget=16, window=8))
+    d2o.compress(get_method("d2o", budget=16, window=8, similarity_threshold=-1.0))
     for compressed, same in ((cam, True), (d2o, False)):
-        view = compressed.padded_view()
+        view = compressed.view()
         original = keys.gather(2, view.positions[..., None].expand(-1, -1, -1, 8))
         assert torch.equal(view.positions, view.positions.sort(-1).values)  # entries stay in position order
         assert torch.equal(view.keys, original) == same
@@ -58,7 +58,7 @@ def test_cam_keeps_carrier_keys_and_d2o_mixes_them():
 
 def test_d2o_moving_threshold_drops_the_least_similar_half_or_so():
     layer, context, _, _, _ = random_layer(batch=2, length=80, dim=8, window=8, seed=3)
-    get_method("d2o", budget=16, window=8).compress(layer, context)
+    layer.compress(get_method("d2o", budget=16, window=8))
     threshold = layer.state["d2o_threshold"]
     assert len(threshold) == 2 and all(-1.0 < t < 1.0 for t in threshold)
     assert 0 < layer.state["dropped"] < 2 * 2 * 64 and layer.state["merged"] + layer.state["dropped"] == 2 * 2 * 64
@@ -116,7 +116,7 @@ def test_decoding_keeps_the_budget_in_a_model(name):
     ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(5))
     cache = CompressedCache(model, get_method(name, budget=16))
     model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
-    for layer in cache.layers:
+    for layer in layers_of(cache):
         assert int(layer.head_lengths().max()) <= 16
     assert cache.merge_error is not None
 
@@ -131,14 +131,15 @@ def test_both_sides_of_the_argument_on_the_embedded_model(embedded):
     ids = torch.tensor([text_ids(tokenizer, None, 512)])
     full = CompressedCache(model, get_method("full"))
     model(ids, past_key_values=full)
-    largest = max(float(layer.flat_keys.float().norm(dim=-1).max()) for layer in full.layers)
+    largest = max(float(layer.view().keys.float().norm(dim=-1).max()) for layer in layers_of(full))
     results = {}
     for label, name, options in [("keepkv", "keepkv", {}), ("paper", "keepkv", {"max_key_scale": float("inf")}),
                                  ("votes", "keepkv", {"key_rule": "votes"}), ("cam", "cam", {}), ("d2o", "d2o", {})]:
         cache = CompressedCache(model, get_method(name, budget=64, **options))
         model(ids, past_key_values=cache)
         fallbacks = cache.stats().get("merge_counts", {}).get("zip_fallbacks", 0)
-        results[label] = (cache.merge_error, max(float(layer.flat_keys.float().norm(dim=-1).max()) for layer in cache.layers), fallbacks)
+        held = [layer.view().flat(layer.view().keys) for layer in layers_of(cache)]
+        results[label] = (cache.merge_error, max(float(keys.float().norm(dim=-1).max()) for keys in held), fallbacks)
     assert results["keepkv"][0] <= 1e-4 and results["keepkv"][1] <= 1.25 * largest
     assert results["paper"][0] <= 1e-4 and results["paper"][1] > 10 * largest and results["paper"][2] == 0
     assert results["votes"][0] <= 1e-4 and results["votes"][1] <= largest + 1e-3 and results["votes"][2] == 0

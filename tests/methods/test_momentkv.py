@@ -5,27 +5,21 @@ import torch
 
 from common import kept_positions, random_layer
 from kvcompress import get_method
-from kvcompress.attention import attend_reference, read
-from kvcompress.cache import LayerCache
 from kvcompress.methods.momentkv import MOMENTS, Moments, moment_floats_per_head
+from kvcompress.read import attend_reference, read
+from kvcompress.store.view import KVView
 
 
-class _Module:
-    num_key_value_groups = 2
-    training = False
-    is_causal = True
-
-
-def _layer(keys, values, positions):
-    layer = LayerCache(0, keys.shape[1], keys.shape[-1])
-    layer.append(keys, values, positions)
-    return layer
+def _view(keys, values, positions, summary=None):
+    """A view over entries [B, H, L, d] at positions [B, L]."""
+    b, h, length, _ = keys.shape
+    return KVView.of(keys, values, positions[:, None, :].expand(b, h, length), summary=summary)
 
 
 def test_moments_equal_sums_recomputed_from_the_evicted_tokens():
     layer, context, _, _, _ = random_layer(batch=2, heads=2, group=2, length=80, window=8, seed=4)
-    keys, values = layer.padded_view().keys.clone(), layer.padded_view().values.clone()
-    get_method("momentkv", budget=20, window=8).compress(layer, context)
+    keys, values = layer.view().keys.clone(), layer.view().values.clone()
+    layer.compress(get_method("momentkv", budget=20, window=8))
     moments = layer.state[MOMENTS]
     for b, row in enumerate(kept_positions(layer)):
         for h, kept in enumerate(row):
@@ -42,26 +36,24 @@ def test_corrected_read_is_exact_when_evicted_keys_are_identical():
     keys, values = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
     keys[:, :, :12] = torch.randn(1, 2, 1, 16)  # the 12 entries to evict share one key per head
     positions = torch.arange(30).expand(1, 30)
-    full = _layer(keys, values, positions)
-    part = _layer(keys[:, :, 12:], values[:, :, 12:], positions[:, 12:])
     evicted = torch.zeros(1, 2, 30, dtype=torch.bool)
     evicted[:, :, :12] = True
-    part.summary = Moments.empty(1, 2, 16, "cpu").add(keys, values, evicted)
+    summary = Moments.empty(1, 2, 16, "cpu").add(keys, values, evicted)
     query, qpos = torch.randn(1, 4, 1, 16), torch.tensor([[30]])
-    expected, _ = read(_Module(), full, query, qpos, 0.25)
-    out, _ = read(_Module(), part, query, qpos, 0.25)
+    expected = read(query, qpos, _view(keys, values, positions), 0.25).out
+    out = read(query, qpos, _view(keys[:, :, 12:], values[:, :, 12:], positions[:, 12:], summary), 0.25).out
     assert torch.allclose(out, expected, atol=1e-5)
-    plain, _ = read(_Module(), _layer(keys[:, :, 12:], values[:, :, 12:], positions[:, 12:]), query, qpos, 0.25)
+    plain = read(query, qpos, _view(keys[:, :, 12:], values[:, :, 12:], positions[:, 12:]), 0.25).out
     assert not torch.allclose(plain, expected, atol=1e-3)  # without the correction the output is off
 
 
 def test_nothing_evicted_reads_as_plain_attention():
     layer, context, queries, _, _ = random_layer(length=40, window=8, seed=2)
-    reference = _layer(layer.padded_view().keys.clone(), layer.padded_view().values.clone(), torch.arange(40).expand(1, 40))
-    get_method("momentkv", ratio=1.0, window=8).compress(layer, context)
-    assert float(layer.state[MOMENTS].count.sum()) == 0
+    reference = _view(layer.view().keys.clone(), layer.view().values.clone(), torch.arange(40).expand(1, 40))
+    layer.compress(get_method("momentkv", ratio=1.0, window=8))
+    assert float(layer.state[MOMENTS].count.sum()) == 0 and layer.summary is None
     q, qpos = queries[:, :, -1:], torch.tensor([[40]])
-    assert torch.allclose(read(_Module(), layer, q, qpos, 0.3)[0], read(_Module(), reference, q, qpos, 0.3)[0], atol=1e-6)
+    assert torch.allclose(read(q, qpos, layer.view(), 0.3).out, read(q, qpos, reference, 0.3).out, atol=1e-6)
 
 
 def test_log_domain_mix_matches_float64_closed_form():
@@ -90,50 +82,50 @@ def test_log_domain_mix_matches_float64_closed_form():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_no_nan_or_inf_with_huge_logits_in_half_precision(dtype):
+    from kvcompress.store.view import LayerContext
+
     torch.manual_seed(6)
     keys = (torch.randn(1, 2, 40, 16) * 100).to(dtype)  # logits reach ±1e4
     values = torch.randn(1, 2, 40, 16).to(dtype)
-    layer = _layer(keys, values, torch.arange(40).expand(1, 40))
-    layer.observations["window_queries"] = (torch.randn(1, 4, 8, 16) * 100).to(dtype)
-    layer.observations["window_positions"] = torch.arange(32, 40).expand(1, 8)
-    from kvcompress.cache import LayerContext
-
-    get_method("momentkv", budget=12, window=8).compress(layer, LayerContext(0, 1, None, 0.25))
-    out, _ = read(_Module(), layer, (torch.randn(1, 4, 1, 16) * 100).to(dtype), torch.tensor([[40]]), 0.25)
+    view = _view(keys, values, torch.arange(40).expand(1, 40))
+    observations = {"window_queries": (torch.randn(1, 4, 8, 16) * 100).to(dtype), "window_positions": torch.arange(32, 40).expand(1, 8)}
+    edit = get_method("momentkv", budget=12, window=8).compress(view, LayerContext(0, 1, 0.25, torch.tensor([40]), observations))
+    kept = KVView.of(keys, values, view.positions, edit.keep, summary=edit.summary)
+    out = read((torch.randn(1, 4, 1, 16) * 100).to(dtype), torch.tensor([[40]]), kept, 0.25).out
     assert torch.isfinite(out).all() and out.dtype == dtype
-    assert torch.isfinite(layer.state[MOMENTS].value_key_sum).all()
+    assert torch.isfinite(edit.state[MOMENTS].value_key_sum).all()
 
 
 def test_moment_overhead_is_counted_in_bytes_held():
     layer, context, _, _, _ = random_layer(batch=1, heads=2, length=64, window=8, seed=3)
-    get_method("momentkv", budget=16, window=8).compress(layer, context)
-    entries = layer.num_entries * (2 * 8 * 4 + 4) + 2 * 8  # keys, values, positions; head lengths
+    layer.compress(get_method("momentkv", budget=16, window=8))
+    entries = layer.num_entries * (2 * 8 * 4 + 4 + 4) + 2 * 8  # keys, values, slot indices, positions; head lengths
     assert layer.nbytes() == entries + 2 * moment_floats_per_head(8) * 4
 
 
 def test_ablations_change_what_they_should():
     layer, context, _, _, _ = random_layer(length=96, window=8, seed=8)
     mi_only, nc_only, default = (layer.clone() for _ in range(3))
-    get_method("momentkv", budget=24, window=8, correction=False).compress(mi_only, context)
-    get_method("momentkv", budget=24, window=8, moment_eviction=False).compress(nc_only, context)
-    get_method("momentkv", budget=24, window=8).compress(default, context)
+    mi_only.compress(get_method("momentkv", budget=24, window=8, correction=False))
+    nc_only.compress(get_method("momentkv", budget=24, window=8, moment_eviction=False))
+    default.compress(get_method("momentkv", budget=24, window=8))
     assert mi_only.summary is None and MOMENTS in mi_only.state
     assert nc_only.summary is not None
     assert kept_positions(mi_only) == kept_positions(default)  # same eviction rule
     assert kept_positions(nc_only) != kept_positions(default)  # attention-only eviction keeps other entries
     adakv = layer.clone()
-    get_method("adakv", budget=24, window=8, sinks=1, chunk_size=4).compress(adakv, context)
+    adakv.compress(get_method("adakv", budget=24, window=8, sinks=1, chunk_size=4))
     assert kept_positions(nc_only) == kept_positions(adakv)  # NC only = Ada-KV's keep set + the correction
 
 
 def test_decoding_evicts_back_to_budget_after_slack_and_updates_moments():
     layer, context, _, _, _ = random_layer(length=40, window=8, seed=9)
     method = get_method("momentkv", budget=16, window=8, slack=4)
-    method.compress(layer, context)
+    layer.compress(method)
     for step in range(40, 70):
         layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[step]]))
-        length = layer.padded_view().keys.shape[2]
-        method.after_decode_step(layer, torch.softmax(torch.randn(1, 2, 2, 1, length), -1), context)
+        length = layer.view().keys.shape[2]
+        layer.decode_step(method, torch.softmax(torch.randn(1, 2, 2, 1, length), -1).sum(3).mean(2))
         assert int(layer.head_lengths().max()) <= 16 + 4
     count = layer.state[MOMENTS].count
     assert torch.equal(count + layer.head_lengths().float(), torch.full_like(count, 70.0))

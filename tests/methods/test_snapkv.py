@@ -35,9 +35,9 @@ def reference_snapkv(keys, queries, window, kernel, pooling, scaling, group):
 @pytest.mark.parametrize("pooling", ["max", "avg"])
 def test_keep_set_matches_reference(pooling):
     layer, context, queries, _, _ = random_layer(batch=2, heads=2, group=3, length=48, window=8, seed=5)
-    keys = layer.padded_view().keys.clone()
+    keys = layer.view().keys.clone()
     method = get_method("snapkv", budget=20, window=8, kernel=5, pooling=pooling)
-    method.compress(layer, context)
+    layer.compress(method)
     scores = reference_snapkv(keys, queries, 8, 5, pooling, context.scaling, 3)
     for row_kept, row_scores in zip(kept_positions(layer), scores):
         for kept, score in zip(row_kept, row_scores):
@@ -52,7 +52,7 @@ def test_keep_set_matches_reference(pooling):
 
 def test_window_is_always_kept_and_budget_respected():
     layer, context, _, _, _ = random_layer(length=64, window=16, seed=1)
-    get_method("snapkv", budget=24, window=16).compress(layer, context)
+    layer.compress(get_method("snapkv", budget=24, window=16))
     for head in kept_positions(layer)[0]:
         assert len(head) == 24
         assert set(range(48, 64)) <= set(head)
@@ -60,20 +60,20 @@ def test_window_is_always_kept_and_budget_respected():
 
 def test_ratio_one_keeps_everything():
     layer, context, _, _, _ = random_layer(length=40, seed=2)
-    get_method("snapkv", ratio=1.0, window=8).compress(layer, context)
+    layer.compress(get_method("snapkv", ratio=1.0, window=8))
     assert kept_positions(layer) == [[list(range(40))] * 2]
 
 
 def test_budget_above_context_keeps_everything_and_notes_it():
     layer, context, _, _, _ = random_layer(length=40, seed=2)
-    get_method("snapkv", budget=500, window=8).compress(layer, context)
+    layer.compress(get_method("snapkv", budget=500, window=8))
     assert layer.num_entries == 2 * 40
     assert any("budget >= context" in note for note in layer.notes)
 
 
 def test_padded_rows_never_keep_padding():
     layer, context, _, _, valid = random_layer(batch=2, length=40, window=8, lengths=[40, 25], seed=3)
-    get_method("snapkv", budget=16, window=8).compress(layer, context)
+    layer.compress(get_method("snapkv", budget=16, window=8))
     kept = kept_positions(layer)
     assert all(len(h) == 16 for row in kept for h in row)
     assert all(max(h) < 25 for h in kept[1])  # row 1 has 25 real tokens at positions 0..24

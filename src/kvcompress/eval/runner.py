@@ -17,7 +17,7 @@ from statistics import mean
 
 from tqdm import tqdm
 
-from ..cache import CompressedCache
+from ..hf import CompressedCache
 from ..generate import GenerateOutput, answer, build_prompt, check_inputs, prefill
 from ..methods import REGISTRY, Method, get_method, parse_method_spec
 from .metrics import score
@@ -134,16 +134,13 @@ def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], settings: 
             out.stats["prefill_s"] = wall - out.stats["compress_s"]
             outputs.append(out)
         return outputs
-    needs = [m.needs() for m in grid]
-    shared = CompressedCache(
-        model, compress_on_prefill=False,
-        observation_window=max(n.window for n in needs), attention_sums=any(n.attention_sums for n in needs),
-        hidden_stats=any(n.hidden_stats for n in needs),
-    )
+    shared = CompressedCache.shared(model, grid)
     logits, wall = prefill(model, shared, prompt, qa)
     outputs = []
     for method in grid:
-        out = answer(model, tokenizer, shared.fork(method), prompt, logits, max_new_tokens=max_new, query_aware=qa)
+        fork = shared.fork(method)
+        out = answer(model, tokenizer, fork, prompt, logits, max_new_tokens=max_new, query_aware=qa)
+        fork.release()  # its slots in the shared pool are free for the next method
         out.stats["prefill_s"] = wall  # the one shared prefill this sample cost
         outputs.append(out)
     return outputs

@@ -1,25 +1,38 @@
-"""What every method shares: budgets, allocation over layers and heads, selection.
+"""What every method shares: the method contract, budgets, allocation over layers and heads, selection.
 
-A method is a dataclass whose fields are its hyperparameters. Score-based methods only
-implement ``score`` (and, if they want, ``protected``): turning scores into a per-head keep
-set under a budget lives once, here, as small functions the tests check against plain
-references:
+A method is a dataclass whose fields are its hyperparameters. It never writes storage: it
+reads a ``KVView`` and a ``LayerContext`` and returns an ``Edit`` that the store applies.
+The contract (all hooks optional):
+
+* ``needs()``: what the prefill must record (window queries, attention sums, hidden stats);
+* ``plan(layers)``: only for methods that plan across layers (``plans_globally``): sees
+  every layer before any is cut and returns each layer's per-head sizes;
+* ``compress(view, context, sizes=None)``: right after the prefill, an ``Edit``;
+  ``sizes`` [B, H], when given, is how many entries each head keeps beyond the method's
+  protected ones (a global plan's or another method's choice: GVote's ``select_with``);
+* ``wants_col_sums`` / ``decode_step(view, context, col_sums)``: while decoding, after
+  each step's read (H2O and KeepKV accumulate attention, evictions keep the budget);
+* ``stats(states)``: method-specific statistics from the layers' states.
+
+Score-based methods only implement ``score`` (and, if they want, ``protected``): turning
+scores into a per-head keep set under a budget lives once, here, as small functions the
+tests check against plain references:
 
     scores → chunk averaging (optional) → priority (protected entries first)
-    → per-layer budget (uniform or pyramid) → per-head budgets (uniform or Ada-KV)
-    → top entries per head → ``LayerCache.retain``
+    → per-layer budget (uniform, pyramid, or one global budget over every layer and head)
+    → per-head budgets (uniform or Ada-KV) → top entries per head → ``Edit(keep=...)``
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from ..cache import LayerCache, LayerContext
+from ..store.view import Edit, KVView, LayerContext, LayerInput
 
 PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank by recency above it
 
@@ -32,6 +45,14 @@ class Needs:
     window: int = 0
     attention_sums: bool = False
     hidden_stats: bool = False
+
+    def union(self, other: Needs) -> Needs:
+        """What two methods need together (one shared prefill serving both)."""
+        return Needs(max(self.window, other.window), self.attention_sums or other.attention_sums,
+                     self.hidden_stats or other.hidden_stats)
+
+    def covers(self, other: Needs) -> bool:
+        return self.union(other) == self
 
 
 @dataclass
@@ -48,7 +69,7 @@ class Method:
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs_budget: ClassVar[bool] = True
-    wants_decode_probs: ClassVar[bool] = False
+    acts_while_decoding: ClassVar[bool] = False  # decode_step is called after every decoding step
 
     def __post_init__(self) -> None:
         if not self.needs_budget:
@@ -84,27 +105,53 @@ class Method:
             if f.name not in ("budget", "ratio") and getattr(self, f.name) != f.default
         }
 
+    # ----- the contract -------------------------------------------------------------------------
     def needs(self) -> Needs:
         return Needs()
 
-    def compress(self, layer: LayerCache, context: LayerContext) -> None:
-        """Compress a layer right after its prefill (default: keep everything)."""
+    @property
+    def plans_globally(self) -> bool:
+        """True when sizes are chosen across layers: the session calls ``plan`` once every layer is observed."""
+        return False
 
-    def after_decode_step(self, layer: LayerCache, probs: torch.Tensor | None, context: LayerContext) -> None:
-        """Called after each decoding step's attention (probs: [B, H, G, q, L] if wanted)."""
+    def plan(self, layers: Sequence[LayerInput]) -> list[torch.Tensor]:
+        """Per layer, the entries [B, H] each head keeps beyond its protected ones (``plans_globally`` only)."""
+        raise NotImplementedError(f"{self.name} plans layer by layer")
+
+    def compress(self, view: KVView, context: LayerContext, sizes: torch.Tensor | None = None) -> Edit | None:
+        """What to do to a layer right after its prefill (default: keep everything)."""
+        return None
+
+    def wants_col_sums(self, view: KVView, context: LayerContext) -> bool:
+        """Whether this decoding step's read should return per-entry column sums."""
+        return False
+
+    def decode_step(self, view: KVView, context: LayerContext, col_sums: torch.Tensor | None) -> Edit | None:
+        """After each decoding step's read (``acts_while_decoding`` methods): the view includes the new entries."""
+        return None
+
+    def stats(self, states: Sequence[Mapping[str, Any]]) -> dict:
+        """Method-specific statistics from every layer's state (merge counts, bytes kept elsewhere...)."""
+        return {}
 
     # ----- budgets --------------------------------------------------------------------------
-    def row_budgets(self, layer: LayerCache) -> torch.Tensor:
+    def row_budgets(self, context: LayerContext) -> torch.Tensor:
         """Entries per KV head for each batch row [B] (int64): the budget, or ⌊ratio × real tokens⌋
         (floored, as kvpress does, so that both keep the same number of entries)."""
-        tokens = layer.tokens_seen
+        tokens = context.tokens_seen
         if self.budget is not None:
             budgets = torch.full_like(tokens, self.budget)
         else:
             budgets = torch.clamp((tokens.double() * self.ratio + 1e-9).floor().long(), min=1)
         if bool((budgets >= tokens).any()):
-            layer.notes.add("budget >= context length for some rows: everything kept there")
+            context.note("budget >= context length for some rows: everything kept there")
         return torch.minimum(budgets, tokens)
+
+    def decode_budget(self, context: LayerContext) -> torch.Tensor:
+        """Per-row entries per head allowed while decoding: the budget, or ratio × tokens so far."""
+        if self.budget is not None:
+            return torch.full_like(context.tokens_seen, self.budget)
+        return torch.clamp((context.tokens_seen.double() * self.ratio).ceil().long(), min=1)
 
 
 # ----- selection helpers (plain tensor code, tested against references) ------------------------
@@ -135,11 +182,31 @@ def priority(
     return key
 
 
-def plus_protected(per_head: torch.Tensor, protected: torch.Tensor, layer: LayerCache) -> torch.Tensor:
-    """[B, H]: sizes chosen by another method (GVote) plus the entries this method always keeps
-    (its window, sinks), capped at what each head holds. Without the addition a head that GVote
-    sizes below the window would keep only the window and lose its attention sink."""
-    return torch.minimum(per_head.to(protected.device) + protected.sum(dim=-1), layer.head_lengths().to(protected.device))
+def plus_protected(sizes: torch.Tensor, protected: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, H]: sizes chosen elsewhere (a global plan, GVote) plus the entries this method always keeps
+    (its window, sinks), capped at what each head holds (``lengths`` [B, H]). Without the addition a
+    head that GVote sizes below the window would keep only the window and lose its attention sink."""
+    return torch.minimum(sizes.to(protected.device) + protected.sum(dim=-1), lengths.to(protected.device))
+
+
+def global_sizes(keys: Sequence[torch.Tensor], totals: torch.Tensor) -> list[torch.Tensor]:
+    """One budget over every layer and head: per layer [B, H], how many of each head's unprotected
+    entries are among the row's ``totals[b]`` best over all layers and heads.
+
+    ``keys``: per layer the ranking key [B, H, L] (protected entries ≥ PROTECTED_PRIORITY, padding
+    -inf); ``totals`` [B]: entries kept per row beyond the protected ones."""
+    open_keys = [k.masked_fill(k >= PROTECTED_PRIORITY, float("-inf")) for k in keys]
+    flat = torch.cat([k.reshape(k.shape[0], -1) for k in open_keys], dim=1)  # [B, Σ H·L]
+    winners = torch.zeros_like(flat, dtype=torch.bool)
+    for row in range(flat.shape[0]):
+        take = min(int(totals[row]), int(torch.isfinite(flat[row]).sum()))
+        winners[row, torch.topk(flat[row], take).indices] = True
+    sizes, start = [], 0
+    for k in open_keys:
+        count = k.shape[1] * k.shape[2]
+        sizes.append(winners[:, start : start + count].view(k.shape).sum(dim=-1).cpu())
+        start += count
+    return sizes
 
 
 def top_per_head(key: torch.Tensor, head_budgets: torch.Tensor) -> torch.Tensor:
@@ -252,7 +319,10 @@ class ScoreMethod(Method):
             chunks (1 = off; MomentKV's protocol uses 4).
         head_budgets: "uniform" (every KV head gets the layer budget) or "adaptive" (Ada-KV).
         alpha: Ada-KV's floor (each head gets at least α·B).
-        layer_budgets: "uniform" or "pyramid" (PyramidKV).
+        layer_budgets: "uniform", "pyramid" (PyramidKV) or "global": one budget
+            (budget × layers × KV heads per row) over every layer and head at once, the
+            unprotected entries ranked by score across layers (layers and heads then keep
+            different numbers of entries; ``head_budgets`` does not apply).
         pyramid_ratio: first-layer budget ÷ last-layer budget for "pyramid".
     """
 
@@ -269,73 +339,89 @@ class ScoreMethod(Method):
         super().__post_init__()
         if self.head_budgets not in ("uniform", "adaptive"):
             raise ValueError(f"head_budgets must be 'uniform' or 'adaptive', got {self.head_budgets!r}")
-        if self.layer_budgets not in ("uniform", "pyramid"):
-            raise ValueError(f"layer_budgets must be 'uniform' or 'pyramid', got {self.layer_budgets!r}")
+        if self.layer_budgets not in ("uniform", "pyramid", "global"):
+            raise ValueError(f"layer_budgets must be 'uniform', 'pyramid' or 'global', got {self.layer_budgets!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.chunk_size < 1 or self.sinks < 0:
             raise ValueError("chunk_size must be ≥ 1 and sinks ≥ 0")
 
-    def score(self, layer: LayerCache, context: LayerContext) -> torch.Tensor:
-        """Importance of each entry, [B, H, L] float32 on the layer's padded view."""
+    @property
+    def acts_while_decoding(self) -> bool:  # type: ignore[override]
+        return self.evict_while_decoding
+
+    def score(self, view: KVView, context: LayerContext) -> torch.Tensor:
+        """Importance of each entry, [B, H, L] float32."""
         raise NotImplementedError
 
-    def protected(self, layer: LayerCache, budgets: torch.Tensor) -> torch.Tensor:
+    def protected(self, view: KVView, context: LayerContext, budgets: torch.Tensor) -> torch.Tensor:
         """Entries kept whatever their score ([B, H, L] bool); default: the sinks."""
-        view = layer.padded_view()
         return sink_mask(view.positions, view.valid, self.sinks)
 
-    def layer_budget(self, layer: LayerCache, context: LayerContext) -> torch.Tensor:
+    def layer_budget(self, context: LayerContext) -> torch.Tensor:
         """Entries per KV head for this layer and each row [B]."""
-        budgets = self.row_budgets(layer)
-        if self.layer_budgets == "uniform":
+        budgets = self.row_budgets(context)
+        if self.layer_budgets != "pyramid":
             return budgets
         per_row = [
             pyramid_layer_budgets(int(b), context.num_layers, self.pyramid_ratio, int(n))[context.layer_idx]
-            for b, n in zip(budgets.tolist(), layer.tokens_seen.tolist())
+            for b, n in zip(budgets.tolist(), context.tokens_seen.tolist())
         ]
         return torch.tensor(per_row, dtype=torch.long)
 
-    def ranking_key(self, layer: LayerCache, context: LayerContext, budgets: torch.Tensor) -> torch.Tensor:
+    def ranking_key(self, view: KVView, context: LayerContext, budgets: torch.Tensor) -> torch.Tensor:
         """[B, H, L]: chunk-averaged scores, protected entries first (+inf), -inf on padding."""
-        view = layer.padded_view()
-        scores = chunk_average(self.score(layer, context), view.valid, self.chunk_size)
-        return priority(scores, self.protected(layer, budgets), view.positions, view.valid)
+        scores = chunk_average(self.score(view, context), view.valid, self.chunk_size)
+        return priority(scores, self.protected(view, context, budgets), view.positions, view.valid)
 
-    def select(self, layer: LayerCache, context: LayerContext, budgets: torch.Tensor, head_budgets: str) -> torch.Tensor:
+    def select(self, view: KVView, context: LayerContext, budgets: torch.Tensor, head_budgets: str) -> torch.Tensor:
         """Keep mask [B, H, L] under per-row layer budgets [B]."""
-        key = self.ranking_key(layer, context, budgets)
+        key = self.ranking_key(view, context, budgets)
         if head_budgets == "adaptive":
-            per_head = adaptive_head_budgets(key, budgets, self.alpha, layer.head_lengths())
+            per_head = adaptive_head_budgets(key, budgets, self.alpha, view.lengths)
         else:
-            per_head = torch.minimum(budgets[:, None].expand(-1, layer.num_kv_heads), layer.head_lengths())
+            per_head = torch.minimum(budgets[:, None].expand(-1, view.shape[1]), view.lengths)
         return top_per_head(key, per_head)
 
-    def compress(self, layer: LayerCache, context: LayerContext) -> None:
-        layer.retain(self.select(layer, context, self.layer_budget(layer, context), self.head_budgets))
+    @property
+    def plans_globally(self) -> bool:
+        return self.layer_budgets == "global"
 
-    def compress_to(self, layer: LayerCache, context: LayerContext, per_head: torch.Tensor) -> None:
-        """Compress with sizes chosen elsewhere (GVote's ``select_with``): keep this method's protected
-        entries plus its ``per_head`` [B, H] best-ranked others in each KV head."""
-        budgets = per_head.amax(dim=-1)
-        key = self.ranking_key(layer, context, budgets)
-        layer.retain(top_per_head(key, plus_protected(per_head, self.protected(layer, budgets), layer)))
+    def plan(self, layers: Sequence[LayerInput]) -> list[torch.Tensor]:
+        """``layer_budgets="global"``: the row's budget × layers × KV heads, less what every layer
+        protects, goes to the best-ranked unprotected entries over all layers and heads."""
+        keys, protected = [], torch.zeros(layers[0].context.batch_size, dtype=torch.long)
+        budgets = self.row_budgets(layers[0].context)
+        for layer in layers:
+            view, context = layer.view, layer.context
+            key = self.ranking_key(view, context, budgets)
+            keys.append(key)
+            protected += (key >= PROTECTED_PRIORITY).sum(dim=(1, 2)).cpu()
+        heads = sum(k.shape[1] for k in keys)
+        return global_sizes(keys, torch.clamp(budgets * heads - protected, min=0))
 
-    def decode_budget(self, layer: LayerCache) -> torch.Tensor:
-        """Per-row entries per head allowed while decoding: the budget, or ratio × tokens so far."""
-        if self.budget is not None:
-            return torch.full_like(layer.tokens_seen, self.budget)
-        return torch.clamp((layer.tokens_seen.double() * self.ratio).ceil().long(), min=1)
+    def compress(self, view: KVView, context: LayerContext, sizes: torch.Tensor | None = None) -> Edit:
+        if sizes is None:
+            return Edit(keep=self.select(view, context, self.layer_budget(context), self.head_budgets))
+        budgets = self._sized_budgets(sizes, context)
+        key = self.ranking_key(view, context, budgets)
+        return Edit(keep=top_per_head(key, plus_protected(sizes, self.protected(view, context, budgets), view.lengths)))
 
-    def after_decode_step(self, layer, probs, context) -> None:
-        if not self.evict_while_decoding:
-            return
-        budgets = self.decode_budget(layer)
-        if bool((layer.head_lengths() > budgets[:, None]).any()):
-            layer.retain(self.select(layer, context, budgets, "uniform"))
+    def _sized_budgets(self, sizes: torch.Tensor, context: LayerContext) -> torch.Tensor:
+        """The per-row budget that protected sets depend on, when sizes come from elsewhere: the
+        method's own under a global plan, the largest size otherwise (GVote)."""
+        return self.row_budgets(context) if self.plans_globally else sizes.amax(dim=-1)
+
+    def decode_step(self, view: KVView, context: LayerContext, col_sums: torch.Tensor | None) -> Edit | None:
+        budgets = self.decode_budget(context)
+        if not bool((view.lengths > budgets[:, None]).any()):
+            return None
+        return Edit(keep=self.select(view, context, budgets, "uniform"))
 
 
 __all__ = [
+    "PROTECTED_PRIORITY",
+    "global_sizes",
     "plus_protected",
     "Method",
     "Needs",

@@ -30,7 +30,7 @@ class CaM(MergingMethod):
     name: ClassVar[str] = "cam"
     paper: ClassVar[str] = "Zhang et al. 2024, CaM: Cache Merging for Memory-efficient LLMs Inference (ICML)"
 
-    def merge_rule(self, layer, view, plan, ref, scaling) -> Merged:
+    def merge_rule(self, view, plan, ref, scaling) -> Merged:
         return cam_merge(view.keys, view.values, ref.logits(view.keys, scaling), plan)
 
 

@@ -51,13 +51,13 @@ class D2O(MergingMethod):
         if not 0.0 <= self.threshold_decay < 1.0:
             raise ValueError(f"threshold_decay must be in [0, 1), got {self.threshold_decay}")
 
-    def accept(self, layer, similarity, candidates) -> torch.Tensor:
+    def accept(self, context, similarity, candidates, state) -> torch.Tensor:
         if self.similarity_threshold is not None:
-            return super().accept(layer, similarity, candidates)
+            return super().accept(context, similarity, candidates, state)
         found = candidates & torch.isfinite(similarity)
         count = found.sum(dim=(1, 2))
         step_mean = torch.where(found, similarity, torch.zeros_like(similarity)).sum(dim=(1, 2)) / count.clamp(min=1)
-        previous = layer.state.get(THRESHOLD)
+        previous = context.state.get(THRESHOLD)
         thresholds = []
         for row in range(similarity.shape[0]):
             mean = float(step_mean[row])
@@ -67,11 +67,11 @@ class D2O(MergingMethod):
                 thresholds.append(self.threshold_decay * previous[row] + (1 - self.threshold_decay) * mean)
             else:
                 thresholds.append(previous[row])
-        layer.state[THRESHOLD] = tuple(thresholds)
+        state[THRESHOLD] = tuple(thresholds)
         tau = torch.tensor([t if t is not None else 0.0 for t in thresholds], device=similarity.device)
         return candidates & (similarity >= tau[:, None, None])
 
-    def merge_rule(self, layer, view, plan, ref, scaling) -> Merged:
+    def merge_rule(self, view, plan, ref, scaling) -> Merged:
         return d2o_merge(view.keys, view.values, plan)
 
 

@@ -13,7 +13,7 @@ No budget is given: the method decides how many entries each request and each KV
 4. each sample and query head votes for its top-``B_h`` keys by logit; the union over the
    samples and over the query heads of each GQA group is the keep-set of that KV head;
 5. the budget is the union's size: it differs per request and per head. It is recorded in
-   ``layer.state["gvote"]`` and shows in ``CompressedCache.stats()`` (``entries``, ``cr``,
+   the layer's state (``"gvote"``) and shows in ``CompressedCache.stats()`` (``entries``, ``cr``,
    ``kr``, ``entries_per_head``).
 
 Choices the paper leaves open (named options, see ``GVote``):
@@ -33,10 +33,10 @@ Choices the paper leaves open (named options, see ``GVote``):
 
 ``moment_correction=True`` composes GVote's keep-set with MomentKV's normalization
 correction: the entries GVote drops are folded into MomentKV's running moments and merged
-into every read through log-sum-exp (seeds/000; ``layer.summary``). Their bytes count in kr.
+into every read through log-sum-exp (seeds/000; the layer's summary). Their bytes count in kr.
 ``select_with="momentkv"`` (or another score, moment or merging method) makes GVote a budget
-source: that method chooses the entries, through its ``compress_to``, under GVote's per-head
-sizes (plus its own protected window and sinks). ``include_current=True`` lets ``q_0`` vote
+source: that method chooses the entries, through its ``compress(..., sizes=...)``, under
+GVote's per-head sizes (plus its own protected window and sinks). ``include_current=True`` lets ``q_0`` vote
 beside the samples (not in the paper). On SmolLM2 GVote keeps too little of a needle for the
 retrieval tasks; see docs/results.md.
 """
@@ -50,7 +50,8 @@ from typing import ClassVar
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from ..attention import attention_probs, group_queries
+from ..read import attention_probs, group_queries
+from ..store.view import Edit
 from .base import Method, Needs
 
 STATE = "gvote"
@@ -200,78 +201,80 @@ class GVote(Method):
         from . import REGISTRY, get_method
 
         cls = REGISTRY.get(self.select_with.strip().lower())
-        if cls is None or not hasattr(cls, "compress_to") or not cls.needs_budget:
-            usable = sorted(n for n, c in REGISTRY.items() if hasattr(c, "compress_to") and c.needs_budget)
+        if cls is None or not _takes_sizes(cls):
+            usable = sorted(n for n, c in REGISTRY.items() if _takes_sizes(c))
             raise ValueError(f"select_with={self.select_with!r} cannot take GVote's sizes; use one of {', '.join(usable)}")
         return get_method(cls.name, ratio=1.0)  # the size placeholder is never used: GVote's sizes replace it
 
+    def stats(self, states) -> dict:
+        return {} if self.selector is None else self.selector.stats(states)  # its merge counts and errors
+
     def needs(self) -> Needs:
         own = Needs(window=1, hidden_stats=True)
-        if self.selector is None:
-            return own
-        theirs = self.selector.needs()
-        return Needs(window=max(own.window, theirs.window), attention_sums=theirs.attention_sums, hidden_stats=True)
+        return own if self.selector is None else own.union(self.selector.needs())
 
     # ----- the steps on a layer -------------------------------------------------------------
-    def step_budgets(self, layer, context) -> torch.Tensor:
+    def step_budgets(self, view, context) -> torch.Tensor:
         """B_h per query head [B, H, G] (int64, on the keys' device) from the last real context query."""
-        view = layer.padded_view()
-        query = layer.observations["window_queries"][:, :, -1:]
-        position = layer.observations["window_positions"][:, -1:]
-        probs = attention_probs(group_queries(query, layer.num_kv_heads), view.keys, context.scaling, position, view.positions, view.valid)
-        cap = layer.head_lengths().to(probs.device)[:, :, None]
+        query = context.observations["window_queries"][:, :, -1:]
+        position = context.observations["window_positions"][:, -1:]
+        probs = attention_probs(group_queries(query, view.shape[1]), view.keys, context.scaling, position, view.positions, view.valid)
+        cap = view.lengths.to(probs.device)[:, :, None]
         return nucleus_budgets(probs[:, :, :, 0], self.p_nuc, cap)
 
     @torch.no_grad()  # the model's weights take part: never record autograd (forks run outside inference mode)
-    def sampled_queries(self, layer, context) -> torch.Tensor:
+    def sampled_queries(self, view, context) -> torch.Tensor:
         """The S sampled future queries [B, Hq, S, d] float32, after q-norm and averaged RoPE."""
-        module, rotary = context.module, context.rotary
-        if module is None or rotary is None or "hidden_mean" not in layer.observations:
+        module, rotary, obs = context.module, context.rotary, context.observations
+        if module is None or rotary is None or "hidden_mean" not in obs:
             raise ValueError(
                 "gvote needs the layer's attention module, the model's rotary embedding and the prefill's hidden "
                 "statistics: compress through CompressedCache (hidden_stats=True when sharing a prefill)."
             )
-        obs = layer.observations
         hidden = sample_hidden(obs["hidden_mean"], obs["hidden_std"], self.samples, generator_for(self.seed, context.layer_idx))
-        q = project_queries(module, hidden, layer.head_dim)
+        q = project_queries(module, hidden, view.keys.shape[-1])
         start = obs["window_positions"][:, -1] + 1
         cos, sin = averaged_rotary(rotary, start, self.future, q)
         return apply_rotary(q, cos, sin)
 
-    def keep_mask(self, layer, context) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keep [B, H, L] on the padded view, step budgets [B, H, G])."""
-        view = layer.padded_view()
-        budgets = self.step_budgets(layer, context)
-        sampled = self.sampled_queries(layer, context).to(view.keys.device)
+    def keep_mask(self, view, context) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keep [B, H, L], step budgets [B, H, G])."""
+        budgets = self.step_budgets(view, context)
+        sampled = self.sampled_queries(view, context).to(view.keys.device)
         if self.include_current:  # q_0 votes too: its own top-p set is kept
-            sampled = torch.cat([sampled, layer.observations["window_queries"][:, :, -1:].float().to(sampled.device)], dim=2)
-        queries = group_queries(sampled, layer.num_kv_heads)
+            sampled = torch.cat([sampled, context.observations["window_queries"][:, :, -1:].float().to(sampled.device)], dim=2)
+        queries = group_queries(sampled, view.shape[1])
         logits = torch.einsum("bhgsd,bhld->bhgsl", queries, view.keys.float()) * context.scaling
         if view.valid is not None:
             logits = logits.masked_fill(~view.valid[:, :, None, None, :], float("-inf"))
         return union_votes(logits, budgets), budgets
 
     @torch.no_grad()
-    def compress(self, layer, context) -> None:
-        keep, budgets = self.keep_mask(layer, context)
+    def compress(self, view, context, sizes=None) -> Edit:
+        keep, budgets = self.keep_mask(view, context)
         if self.selector is not None:
-            self.selector.compress_to(layer, context, keep.sum(dim=-1))
+            edit = self.selector.compress(view, context, keep.sum(dim=-1).cpu())
+            kept = edit.keep.sum(dim=-1).cpu()
         else:
-            if self.moment_correction:
-                self._fold_dropped(layer, keep)
-            layer.retain(keep)
-        layer.state[STATE] = GVoteAllocation(step_budgets=budgets.reshape(layer.batch_size, -1).cpu(), kept=layer.head_lengths().clone())
-        layer.notes.add("gvote: budget chosen per request and KV head (see entries_per_head)")
+            edit = self._fold_dropped(view, keep) if self.moment_correction else Edit(keep=keep)
+            kept = (keep & view.valid_or_ones()).sum(dim=-1).cpu()
+        edit.state[STATE] = GVoteAllocation(step_budgets=budgets.reshape(view.shape[0], -1).cpu(), kept=kept)
+        context.note("gvote: budget chosen per request and KV head (see entries_per_head)")
+        return edit
 
-    def _fold_dropped(self, layer, keep: torch.Tensor) -> None:
+    def _fold_dropped(self, view, keep: torch.Tensor) -> Edit:
         from .momentkv import MOMENTS, Moments
 
-        view = layer.padded_view()
-        valid = torch.ones_like(keep) if view.valid is None else view.valid
-        moments = Moments.empty(layer.batch_size, layer.num_kv_heads, layer.head_dim, view.keys.device)
-        moments = moments.add(view.keys, view.values, valid & ~keep)
-        layer.state[MOMENTS] = moments
-        layer.summary = moments
+        moments = Moments.empty(view.shape[0], view.shape[1], view.keys.shape[-1], view.keys.device)
+        moments = moments.add(view.keys, view.values, view.valid_or_ones() & ~keep)
+        return Edit(keep=keep, summary=moments, state={MOMENTS: moments})
+
+
+def _takes_sizes(cls) -> bool:
+    """Methods that can keep entries under sizes chosen elsewhere: budgeted ones that score entries."""
+    from .base import ScoreMethod
+
+    return cls.needs_budget and issubclass(cls, ScoreMethod)
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from ..store.view import Edit
 from .base import Needs, ScoreMethod, recent_mask, sink_mask
 
 SCORE = "h2o_score"
@@ -31,7 +32,6 @@ class H2O(ScoreMethod):
     name: ClassVar[str] = "h2o"
     paper: ClassVar[str] = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs"
     evict_while_decoding: ClassVar[bool] = True
-    wants_decode_probs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,25 +41,24 @@ class H2O(ScoreMethod):
     def needs(self) -> Needs:
         return Needs(attention_sums=True)
 
-    def compress(self, layer, context) -> None:
-        layer.extras[SCORE] = layer.observations["entry:attention_sums"]
-        super().compress(layer, context)
+    def compress(self, view, context, sizes=None) -> Edit:
+        view.channels[SCORE] = context.observations["attention_sums"]  # the prefill's sums become the running score
+        edit = super().compress(view, context, sizes)
+        edit.channels[SCORE] = view.channels[SCORE]
+        return edit
 
-    def compress_to(self, layer, context, per_head) -> None:
-        layer.extras[SCORE] = layer.observations["entry:attention_sums"]
-        super().compress_to(layer, context, per_head)
+    def score(self, view, context) -> torch.Tensor:
+        return view.channels[SCORE]
 
-    def score(self, layer, context) -> torch.Tensor:
-        return layer.padded(layer.extras[SCORE])
-
-    def protected(self, layer, budgets) -> torch.Tensor:
-        view = layer.padded_view()
+    def protected(self, view, context, budgets) -> torch.Tensor:
         recent = (budgets.double() * self.recent_ratio).round().long()
         return recent_mask(view.positions, view.valid, recent) | sink_mask(view.positions, view.valid, self.sinks)
 
-    def after_decode_step(self, layer, probs, context) -> None:
-        received = probs.sum(dim=3).mean(dim=2)  # [B, H, L]: this step's attention, mean over the group
-        view_valid = layer.padded_view().valid
-        flat = received[view_valid] if view_valid is not None else received.reshape(-1)
-        layer.extras[SCORE] = layer.extras[SCORE] + flat
-        super().after_decode_step(layer, probs, context)
+    def wants_col_sums(self, view, context) -> bool:
+        return True
+
+    def decode_step(self, view, context, col_sums) -> Edit:
+        view.channels[SCORE] = view.channels[SCORE] + col_sums  # this step's attention, mean over the group
+        edit = super().decode_step(view, context, col_sums) or Edit()
+        edit.channels[SCORE] = view.channels[SCORE]
+        return edit

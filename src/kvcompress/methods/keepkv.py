@@ -56,8 +56,8 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import POSITION_DTYPE
-from .merging import KEY_RULES, Merged, MergingMethod, log_votes_of, window_query_valid, zip_merge
+from ..store.view import Edit, KVView, edited_entries
+from .merging import EMA, EMA_NORM, KEY_RULES, Merged, MergingMethod, log_votes_of, window_query_valid, zip_merge
 
 EXTERNAL = "external_kv"
 
@@ -126,75 +126,78 @@ class KeepKV(MergingMethod):
         if not self.max_key_scale >= 1.0 or self.refresh_every < 0:
             raise ValueError("max_key_scale must be ≥ 1 (inf for the paper's unbounded rule) and refresh_every ≥ 0")
 
-    def merge_rule(self, layer, view, plan, ref, scaling) -> Merged:
-        return zip_merge(view.keys, view.values, log_votes_of(layer), ref.logits(view.keys, scaling), plan,
+    def merge_rule(self, view, plan, ref, scaling) -> Merged:
+        return zip_merge(view.keys, view.values, log_votes_of(view), ref.logits(view.keys, scaling), plan,
                          key_rule=self.key_rule, max_key_scale=self.max_key_scale, query=ref.query, scaling=scaling)
+
+    def stats(self, states) -> dict:
+        out = super().stats(states)
+        offloaded = sum(int(state.get("external_kv_bytes", 0)) for state in states)
+        if offloaded:  # the CPU copy for refresh: reported, not in kr
+            out["offloaded_bytes"] = offloaded
+        return out
 
     # ----- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
-    def compress(self, layer, context) -> None:
+    def compress(self, view, context, sizes=None) -> Edit:
+        edit = super().compress(view, context, sizes)
         if self.refresh_every:
-            self._keep_external(layer)
-        super().compress(layer, context)
+            edit.state.update(self._external_state(self._external(view, context)))
+        return edit
 
-    def _keep_external(self, layer) -> None:
-        """Copy the uncompressed prefill and the last window queries to CPU memory."""
-        view = layer.padded_view()  # at prefill every head of a row holds the row's tokens
-        b, _, length = view.positions.shape
+    def _external(self, view, context) -> ExternalKV:
+        """The uncompressed prefill and the last window queries, in CPU memory."""
+        b, _, length = view.shape  # at prefill every head of a row holds the row's tokens
         valid = view.valid[:, 0] if view.valid is not None else torch.ones(b, length, dtype=torch.bool)
-        queries = layer.observations["window_queries"][:, :, -self.window :]
-        ext = ExternalKV(
+        queries = context.observations["window_queries"][:, :, -self.window :]
+        return ExternalKV(
             keys=(view.keys.cpu(),), values=(view.values.cpu(),),
-            positions=(view.positions[:, 0].cpu(),), valid=(valid.cpu(),),
-            queries=queries.cpu(), query_positions=layer.observations["window_positions"][:, -self.window :].long().cpu(),
-            query_valid=window_query_valid(queries, layer.tokens_seen).cpu(),
+            positions=(view.positions[:, 0].masked_fill(~valid.to(view.positions.device), 0).cpu(),), valid=(valid.cpu(),),
+            queries=queries.cpu(), query_positions=context.observations["window_positions"][:, -self.window :].long().cpu(),
+            query_valid=window_query_valid(queries, context.tokens_seen).cpu(),
         )
-        self._store(layer, ext)
 
-    def _store(self, layer, ext: ExternalKV) -> None:
-        layer.state[EXTERNAL] = ext
-        layer.state["external_kv_bytes"] = ext.size_bytes()
+    @staticmethod
+    def _external_state(ext: ExternalKV) -> dict:
+        return {EXTERNAL: ext, "external_kv_bytes": ext.size_bytes()}
 
     # ----- decoding --------------------------------------------------------------------------
     @torch.no_grad()
-    def after_decode_step(self, layer, probs, context) -> None:
-        self.update_importance(layer, probs, context)
-        if self.refresh_every and EXTERNAL in layer.state:
-            q = context.query.shape[2]
-            self._store(layer, layer.state[EXTERNAL].with_step(*self._new_entries(layer, q), context.query_positions,
-                                                                context.query, self.window))
-            before = layer.state.get("decode_tokens", 0)
-            layer.state["decode_tokens"] = before + q
-            if (before + q) // self.refresh_every > before // self.refresh_every:
-                self.refresh(layer, context)
-                return
-        self.merge_over_budget(layer, context)
+    def decode_step(self, view, context, col_sums) -> Edit:
+        if not (self.refresh_every and EXTERNAL in context.state):
+            return super().decode_step(view, context, col_sums)
+        self.update_importance(view, context, col_sums)
+        q = context.query.shape[2]
+        ext = context.state[EXTERNAL].with_step(*self._new_entries(view, q), context.query_positions, context.query, self.window)
+        before = context.state.get("decode_tokens", 0)
+        state = {**self._external_state(ext), "decode_tokens": before + q}
+        if (before + q) // self.refresh_every > before // self.refresh_every:
+            edit = self.refresh(view, context, ext)
+            state["refreshes"] = context.state.get("refreshes", 0) + 1
+        else:
+            edit = self.merge_over_budget(view, context) or Edit(channels={EMA: view.channels[EMA], EMA_NORM: view.channels[EMA_NORM]})
+        edit.state = {**edit.state, **state}
+        return edit
 
     @staticmethod
-    def _new_entries(layer, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _new_entries(view, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's q new keys and values [B, H, q, d]: the last q entries of every head."""
-        view = layer.padded_view()
-        index = (layer.head_lengths().to(view.keys.device)[..., None] - q + torch.arange(q, device=view.keys.device))
+        device = view.keys.device
+        index = view.lengths.to(device)[..., None] - q + torch.arange(q, device=device)
         index = index[..., None].expand(-1, -1, -1, view.keys.shape[-1])
         return view.keys.gather(2, index), view.values.gather(2, index)
 
-    def refresh(self, layer, context) -> None:
+    def refresh(self, view, context, ext: ExternalKV) -> Edit:
         """Rebuild the layer from the external K/V: every token seen, votes 1, then compress as at prefill
         with the last ``window`` queries (current scores) to the current budget."""
-        ext = layer.state[EXTERNAL]
-        device = layer.flat_keys.device
+        device = view.keys.device
         keys, values, positions, valid = ext.entries(device)
         b, h, t, _ = keys.shape
-        mask = valid[:, None, :].expand(b, h, t)
-        layer.flat_keys = keys[mask].to(layer.flat_keys.dtype)
-        layer.flat_values = values[mask].to(layer.flat_values.dtype)
-        layer.positions = positions[:, None, :].expand(b, h, t)[mask].to(POSITION_DTYPE)
-        layer.lengths = mask.sum(dim=-1).reshape(-1).cpu()
-        layer.extras = {}
-        layer.set_log_weights(None)  # votes back to 1; also drops the cached padded view
-        layer.state["refreshes"] = layer.state.get("refreshes", 0) + 1
-        self.compress_from_window(layer, context.scaling, ext.queries.to(device), ext.query_positions.to(device),
-                                  ext.query_valid.to(device), self.decode_budget(layer), context)
+        rebuilt = KVView.of(keys.to(view.keys.dtype), values.to(view.values.dtype), positions[:, None, :].expand(b, h, t),
+                            valid[:, None, :].expand(b, h, t))
+        edit = self.compress_from_window(rebuilt, context, ext.queries.to(device), ext.query_positions.to(device),
+                                         ext.query_valid.to(device), self.decode_budget(context))
+        return Edit(replace=edited_entries(rebuilt, edit), state=edit.state)
 
 
 __all__ = ["ExternalKV", "KeepKV"]

@@ -6,7 +6,8 @@ the three differ only in their merge rule (METHODS.md, "KeepKV" and "Merging bas
     importance (EMA of attention) → keep set under the budget (sinks and the recent window
     protected) → candidates = the rest → carrier = the most cosine-similar retained key
     outside sinks and the recent window → optional similarity threshold (below: dropped)
-    → merge rule on each group {carrier} ∪ {its candidates} → ``LayerCache.retain``
+    → merge rule on each group {carrier} ∪ {its candidates} → one ``Edit`` (carriers rewritten,
+    votes and importance as channels, the rest dropped)
 
 The pieces are plain tensor functions on the layer's padded view [B, H, L, ...]:
 
@@ -29,20 +30,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..attention import attend_reference, attention_probs, group_queries
+from ..read import attend_reference, attention_probs, group_queries
+from ..read.reference import masked_logits
+from ..store.view import UNCHANGED, Edit, KVView, LayerContext, Rewrite
 from .base import Needs, plus_protected, pool_scores, priority, recent_mask, sink_mask, top_per_head
 from .snapkv import SnapKV
 
-if TYPE_CHECKING:
-    from ..cache import LayerCache, LayerContext
-
-EMA = "merge_ema"  # extras: the EMA of the attention an entry received, S_i (not bias-corrected)
-EMA_NORM = "merge_ema_norm"  # extras: the EMA of ones over the same updates, 1 − α^{n_i} (bias correction)
+EMA = "merge_ema"  # channel: the EMA of the attention an entry received, S_i (not bias-corrected)
+EMA_NORM = "merge_ema_norm"  # channel: the EMA of ones over the same updates, 1 − α^{n_i} (bias correction)
 
 
 # ----- references -------------------------------------------------------------------------------
@@ -65,24 +65,23 @@ def window_query_valid(queries: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
     return column[None, :] >= (w - tokens.to(queries.device))[:, None]
 
 
-def window_reference(layer: LayerCache, queries: torch.Tensor, query_valid: torch.Tensor) -> Reference:
+def window_reference(view: KVView, queries: torch.Tensor, query_valid: torch.Tensor) -> Reference:
     """q̄ = mean over the GQA group and the (real) window queries [B, Hq, w, d]; placed after every entry."""
-    grouped = group_queries(queries, layer.num_kv_heads).float()  # [B, H, G, w, d]
+    grouped = group_queries(queries, view.shape[1]).float()  # [B, H, G, w, d]
     weight = query_valid.float().to(grouped.device)
     count = weight.sum(dim=1).clamp(min=1.0) * grouped.shape[2]  # [B]: real queries × group size
     mean = (grouped * weight[:, None, None, :, None]).sum(dim=(2, 3)) / count[:, None, None]
-    return Reference(mean, last_position(layer))
+    return Reference(mean, last_position(view))
 
 
-def query_reference(layer: LayerCache, context: LayerContext) -> Reference:
+def query_reference(view: KVView, context: LayerContext) -> Reference:
     """The step's last query averaged over its GQA group, at its own position."""
-    grouped = group_queries(context.query[:, :, -1:], layer.num_kv_heads).float()  # [B, H, G, 1, d]
+    grouped = group_queries(context.query[:, :, -1:], view.shape[1]).float()  # [B, H, G, 1, d]
     return Reference(grouped.mean(dim=(2, 3)), context.query_positions[:, -1].long())
 
 
-def last_position(layer: LayerCache) -> torch.Tensor:
+def last_position(view: KVView) -> torch.Tensor:
     """[B]: each row's newest entry position (a query there sees every entry)."""
-    view = layer.padded_view()
     positions = view.positions if view.valid is None else view.positions.masked_fill(~view.valid, -1)
     return positions.amax(dim=(1, 2))
 
@@ -96,11 +95,9 @@ def reference_output(ref: Reference, keys, values, positions, valid, log_weights
     return out[:, :, 0, 0], lse[:, :, 0, 0]
 
 
-def layer_reference_output(ref: Reference, layer: LayerCache, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference_output`` over what the layer holds, votes included."""
-    view = layer.padded_view()
-    log_weights = layer.padded(layer.log_weights) if layer.log_weights is not None else None
-    return reference_output(ref, view.keys, view.values, view.positions, view.valid, log_weights, scaling)
+def view_reference_output(ref: Reference, view: KVView, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference_output`` over what a view holds, votes included."""
+    return reference_output(ref, view.keys, view.values, view.positions, view.valid, view.log_weights, scaling)
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -298,26 +295,6 @@ def d2o_merge(keys: torch.Tensor, values: torch.Tensor, plan: MergePlan) -> Merg
     return Merged(keys=torch.where(carriers, k_mean.to(keys.dtype), keys), values=torch.where(carriers, v_mean.to(values.dtype), values))
 
 
-# ----- writing back -----------------------------------------------------------------------------
-def flatten(padded: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """[B, H, L, ...] → the layer's flat layout [N, ...] (valid entries, segment after segment)."""
-    return padded[valid] if valid is not None else padded.reshape(-1, *padded.shape[3:])
-
-
-def write_and_retain(layer: LayerCache, plan: MergePlan, merged: Merged, extras: dict[str, torch.Tensor]) -> None:
-    """Store the carriers' new keys, values, votes and extras (padded), then keep ``plan.keep``.
-
-    Tensors are replaced, never written in place (clones of a cache share them).
-    """
-    valid = layer.padded_view().valid
-    layer.flat_keys = flatten(merged.keys.to(layer.flat_keys.dtype), valid)
-    layer.flat_values = flatten(merged.values.to(layer.flat_values.dtype), valid)
-    layer.extras = {**layer.extras, **{name: flatten(t, valid) for name, t in extras.items()}}
-    log_weights = flatten(merged.log_votes, valid) if merged.log_votes is not None else layer.log_weights
-    layer.set_log_weights(log_weights)  # also drops the cached padded view of the old tensors
-    layer.retain(plan.keep)
-
-
 # ----- EMA importance ----------------------------------------------------------------------------
 def ema_update(s: torch.Tensor, norm: torch.Tensor, received: torch.Tensor, visible: torch.Tensor, decay: float):
     """One EMA step S ← αS + (1 − α)a on visible entries, and its bias-correction weight alike."""
@@ -369,7 +346,7 @@ class MergingMethod(SnapKV):
     similarity_threshold: float | None = None
     slack: int = 0
 
-    wants_decode_probs: ClassVar[bool] = True
+    acts_while_decoding: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -381,165 +358,201 @@ class MergingMethod(SnapKV):
     def needs(self) -> Needs:
         return Needs(window=self.window)
 
-    # ----- importance ------------------------------------------------------------------------
-    def init_importance(self, layer, queries, query_positions, query_valid, scaling) -> None:
-        """EMA of the window queries' attention (mean over the group), bias-corrected (Alg. 1, step 4)."""
-        view = layer.padded_view()
-        grouped = group_queries(queries, layer.num_kv_heads)
-        probs = attention_probs(grouped, view.keys, scaling, query_positions, view.positions, view.valid).mean(dim=2)
-        zeros = torch.zeros(view.positions.shape, dtype=torch.float32, device=view.keys.device)
-        s, norm = ema_over_queries(zeros, zeros, probs, query_positions, view.positions, view.valid, self.ema_decay, query_valid)
-        layer.extras[EMA] = flatten(s, view.valid)
-        layer.extras[EMA_NORM] = flatten(norm, view.valid)
+    def stats(self, states) -> dict:
+        counts = {name: sum(int(state.get(name, 0)) for state in states) for name in MERGE_COUNTS}
+        errors = [state["merge_error"] for state in states if "merge_error" in state]
+        out = {"merge_counts": counts} if any(counts.values()) else {}
+        if errors:  # the reference query's error right after compression, mean over layers
+            out["merge_error"] = sum(errors) / len(errors)
+        return out
 
-    def importance(self, layer) -> torch.Tensor:
-        """Bias-corrected EMA Ŝ_i = S_i / (1 − α^{n_i}) on the padded view [B, H, L] (0 before any update)."""
-        s, norm = layer.padded(layer.extras[EMA]), layer.padded(layer.extras[EMA_NORM])
+    # ----- importance ------------------------------------------------------------------------
+    def init_importance(self, view: KVView, queries, query_positions, query_valid, scaling) -> dict[str, torch.Tensor]:
+        """EMA of the window queries' attention (mean over the group), bias-corrected (Alg. 1, step 4)."""
+        grouped = group_queries(queries, view.shape[1])
+        probs = attention_probs(grouped, view.keys, scaling, query_positions, view.positions, view.valid).mean(dim=2)
+        zeros = torch.zeros(view.shape, dtype=torch.float32, device=view.keys.device)
+        s, norm = ema_over_queries(zeros, zeros, probs, query_positions, view.positions, view.valid, self.ema_decay, query_valid)
+        return {EMA: s, EMA_NORM: norm}
+
+    @staticmethod
+    def importance(view: KVView) -> torch.Tensor:
+        """Bias-corrected EMA Ŝ_i = S_i / (1 − α^{n_i}) [B, H, L] (0 before any update)."""
+        s, norm = view.channels[EMA], view.channels[EMA_NORM]
         return torch.where(norm > 0, s / norm.clamp(min=1e-30), torch.zeros_like(s))
 
-    def score(self, layer, context) -> torch.Tensor:
-        return pool_scores(self.importance(layer), self.kernel, self.pooling)
+    def score(self, view, context) -> torch.Tensor:
+        return pool_scores(self.importance(view), self.kernel, self.pooling)
 
     def recent_count(self, budgets: torch.Tensor) -> torch.Tensor:
         """[B]: protected recent tokens per row."""
         recent = self.window if self.recent is None else self.recent
         return torch.clamp(torch.minimum(torch.full_like(budgets, recent), (budgets - self.sinks) // 2), min=0)
 
-    def protected(self, layer, budgets) -> torch.Tensor:
-        view = layer.padded_view()
+    def protected(self, view, context, budgets) -> torch.Tensor:
         return recent_mask(view.positions, view.valid, self.recent_count(budgets)) | sink_mask(view.positions, view.valid, self.sinks)
 
     # ----- compression -----------------------------------------------------------------------
     @torch.no_grad()  # forks compress outside inference mode: never record autograd
-    def compress(self, layer, context) -> None:
-        self.compress_from_window(layer, context.scaling, *self._prefill_window(layer), self.layer_budget(layer, context), context)
+    def compress(self, view, context, sizes=None) -> Edit:
+        window = self._prefill_window(context)
+        if sizes is None:
+            return self.compress_from_window(view, context, *window, self.layer_budget(context))
+        budgets = self._sized_budgets(sizes, context)
+        per_head = plus_protected(sizes, self.protected(view, context, budgets), view.lengths)
+        return self.compress_from_window(view, context, *window, budgets, per_head=per_head)
 
-    def compress_to(self, layer, context, per_head: torch.Tensor) -> None:
-        """Keep the protected entries plus ``per_head`` [B, H] others by EMA importance and merge the
-        rest into them (sizes chosen elsewhere: GVote)."""
-        budgets = per_head.amax(dim=-1)
-        sizes = plus_protected(per_head, self.protected(layer, budgets), layer)
-        self.compress_from_window(layer, context.scaling, *self._prefill_window(layer), budgets, context, per_head=sizes)
-
-    def _prefill_window(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prefill_window(self, context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill's last ``window`` queries [B, Hq, w, d], their positions [B, w] and which are real [B, w]."""
-        queries = layer.observations["window_queries"][:, :, -self.window :]
-        return queries, layer.observations["window_positions"][:, -self.window :], window_query_valid(queries, layer.tokens_seen)
+        queries = context.observations["window_queries"][:, :, -self.window :]
+        return queries, context.observations["window_positions"][:, -self.window :], window_query_valid(queries, context.tokens_seen)
 
-    def compress_from_window(self, layer, scaling, queries, query_positions, query_valid, budgets, context, per_head=None) -> None:
+    def compress_from_window(self, view, context, queries, query_positions, query_valid, budgets, per_head=None) -> Edit:
         """Score with the window's EMA, keep the top entries, merge the rest against the window's mean query.
 
-        Records in ``layer.state["merge_error"]`` the reference query's relative output error
+        The edit's state records ``merge_error``: the reference query's relative output error
         right after compression (before: every entry, votes included; after: what is held).
         """
-        view = layer.padded_view()
-        before = (view.keys, view.values, view.positions, view.valid,
-                  layer.padded(layer.log_weights) if layer.log_weights is not None else None)
-        ref = window_reference(layer, queries, query_valid)
-        self.init_importance(layer, queries, query_positions, query_valid, scaling)
+        ref = window_reference(view, queries, query_valid)
+        view.channels.update(self.init_importance(view, queries, query_positions, query_valid, context.scaling))
         if per_head is None:
-            keep = self.select(layer, context, budgets, self.head_budgets)
+            keep = self.select(view, context, budgets, self.head_budgets)
         else:
-            keep = top_per_head(self.ranking_key(layer, context, budgets), per_head)
-        self.merge(layer, keep, budgets, ref, scaling)
-        expected, _ = reference_output(ref, *before, scaling)
-        out, _ = layer_reference_output(ref, layer, scaling)
-        layer.state["merge_error"] = relative_error(out, expected)
+            keep = top_per_head(self.ranking_key(view, context, budgets), per_head)
+        edit = self.merge(view, context, keep, budgets, ref)
+        edit.state["merge_error"] = self._merge_error(view, edit, ref, context.scaling)
+        return edit
 
-    def carrier_pool(self, layer, keep: torch.Tensor, candidates: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _merge_error(view: KVView, edit: Edit, ref: Reference, scaling: float) -> float:
+        """q̄'s relative output error after the edit against before it (0 when nothing left)."""
+        if edit.rewrite is None and (edit.keep is None or bool((edit.keep | ~view.valid_or_ones()).all())):
+            return 0.0
+        expected, _ = view_reference_output(ref, view, scaling)
+        keys = torch.where(edit.rewrite.mask[..., None], edit.rewrite.keys, view.keys) if edit.rewrite else view.keys
+        values = torch.where(edit.rewrite.mask[..., None], edit.rewrite.values, view.values) if edit.rewrite else view.values
+        log_weights = view.log_weights if edit.log_weights is UNCHANGED else edit.log_weights
+        out, _ = reference_output(ref, keys, values, view.positions, edit.keep & view.valid_or_ones(), log_weights, scaling)
+        return relative_error(out, expected)
+
+    def carrier_pool(self, view, context, keep: torch.Tensor, candidates: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
         """Retained entries that may carry: outside sinks and the recent window (all retained ones
         in a head where none is left outside them)."""
-        pool = keep & ~self.protected(layer, budgets)
+        pool = keep & ~self.protected(view, context, budgets)
         empty = ~pool.any(dim=-1, keepdim=True)
         if bool((empty & candidates.any(dim=-1, keepdim=True)).any()):
-            layer.notes.add(f"{self.name}: budget leaves no carrier outside sinks and the recent window; protected entries carry")
+            context.note(f"{self.name}: budget leaves no carrier outside sinks and the recent window; protected entries carry")
         return torch.where(empty, keep, pool)
 
-    def accept(self, layer, similarity: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """Which candidates merge (the rest are dropped): all, or those at or above the threshold."""
+    def accept(self, context, similarity: torch.Tensor, candidates: torch.Tensor, state: dict) -> torch.Tensor:
+        """Which candidates merge (the rest are dropped): all, or those at or above the threshold.
+        ``state`` collects updates of the method's per-layer state."""
         if self.similarity_threshold is None:
             return candidates
         return candidates & (similarity >= self.similarity_threshold)
 
-    def merge(self, layer, keep: torch.Tensor, budgets: torch.Tensor, ref: Reference, scaling: float) -> None:
-        """Fold every valid entry outside ``keep`` [B, H, L] into its carrier (or drop it), then retain."""
-        view = layer.padded_view()
-        valid = view.valid if view.valid is not None else torch.ones_like(keep)
+    def merge(self, view, context, keep: torch.Tensor, budgets: torch.Tensor, ref: Reference) -> Edit:
+        """Fold every valid entry outside ``keep`` [B, H, L] into its carrier (or drop it): the edit."""
+        valid = view.valid_or_ones()
         keep = keep & valid
         candidates = valid & ~keep
+        channels = {EMA: view.channels[EMA], EMA_NORM: view.channels[EMA_NORM]}
         if not bool(candidates.any()):
-            return
-        similarity, carrier = nearest_carriers(view.keys, candidates, self.carrier_pool(layer, keep, candidates, budgets))
-        merged = self.accept(layer, similarity, candidates) & torch.isfinite(similarity)
+            return Edit(keep=keep, channels=channels)
+        similarity, carrier = nearest_carriers(view.keys, candidates, self.carrier_pool(view, context, keep, candidates, budgets))
+        state: dict = {}
+        merged = self.accept(context, similarity, candidates, state) & torch.isfinite(similarity)
         target = torch.where(merged, carrier, torch.arange(keep.shape[-1], device=keep.device).expand_as(carrier))
         plan = MergePlan(keep=keep, merged=merged, dropped=candidates & ~merged, target=target, similarity=similarity)
-        result = self.merge_rule(layer, view, plan, ref, scaling)
-        self._count(layer, plan, result)
-        write_and_retain(layer, plan, result, self._merged_importance(layer, plan))
+        result = self.merge_rule(view, plan, ref, context.scaling)
+        state.update(self._count(context, plan, result))
+        channels.update(self._merged_importance(view, plan))
+        edit = Edit(keep=plan.keep, rewrite=Rewrite(plan.carriers, result.keys, result.values), channels=channels, state=state)
+        if result.log_votes is not None:
+            edit.log_weights = result.log_votes
+        return edit
 
-    def merge_rule(self, layer, view, plan: MergePlan, ref: Reference, scaling: float) -> Merged:
+    def merge_rule(self, view, plan: MergePlan, ref: Reference, scaling: float) -> Merged:
         raise NotImplementedError
 
-    def _merged_importance(self, layer, plan: MergePlan) -> dict[str, torch.Tensor]:
+    def _merged_importance(self, view, plan: MergePlan) -> dict[str, torch.Tensor]:
         """A carrier's importance becomes the sum of its group's (the attention it will receive);
         its bias correction the largest of the group's."""
-        s_hat = self.importance(layer).masked_fill(~plan.members, 0.0)
-        norm = layer.padded(layer.extras[EMA_NORM]).masked_fill(~plan.members, 0.0)
+        s_hat = self.importance(view).masked_fill(~plan.members, 0.0)
+        norm = view.channels[EMA_NORM].masked_fill(~plan.members, 0.0)
         summed = torch.zeros_like(s_hat).scatter_add(-1, plan.target, s_hat)
         largest = torch.zeros_like(norm).scatter_reduce(-1, plan.target, norm, reduce="amax", include_self=True)
         carriers = plan.carriers
         return {
-            EMA: torch.where(carriers, summed * largest, layer.padded(layer.extras[EMA])),
-            EMA_NORM: torch.where(carriers, largest, layer.padded(layer.extras[EMA_NORM])),
+            EMA: torch.where(carriers, summed * largest, view.channels[EMA]),
+            EMA_NORM: torch.where(carriers, largest, view.channels[EMA_NORM]),
         }
 
-    def _count(self, layer, plan: MergePlan, result: Merged) -> None:
-        state = layer.state
-        state["merged"] = state.get("merged", 0) + int(plan.merged.sum())
-        state["merge_groups"] = state.get("merge_groups", 0) + int(plan.carriers.sum())
-        state["dropped"] = state.get("dropped", 0) + int(plan.dropped.sum())
+    def _count(self, context, plan: MergePlan, result: Merged) -> dict:
+        state = context.state
+        counts = {
+            "merged": state.get("merged", 0) + int(plan.merged.sum()),
+            "merge_groups": state.get("merge_groups", 0) + int(plan.carriers.sum()),
+            "dropped": state.get("dropped", 0) + int(plan.dropped.sum()),
+        }
         if result.fallbacks:
-            state["zip_fallbacks"] = state.get("zip_fallbacks", 0) + result.fallbacks
-            layer.notes.add(f"{self.name}: ZIP key scales out of range fell back to the votes rule "
-                            "(count: stats['merge_counts']['zip_fallbacks'])")
+            counts["zip_fallbacks"] = state.get("zip_fallbacks", 0) + result.fallbacks
+            context.note(f"{self.name}: ZIP key scales out of range fell back to the votes rule "
+                         "(count: stats['merge_counts']['zip_fallbacks'])")
+        return counts
 
     # ----- decoding --------------------------------------------------------------------------
-    def update_importance(self, layer, probs: torch.Tensor, context) -> None:
-        """Fold the step's attention (votes included, mean over the group) into every entry's EMA."""
-        view = layer.padded_view()
-        s, norm = layer.padded(layer.extras[EMA]), layer.padded(layer.extras[EMA_NORM])
-        s, norm = ema_over_queries(s, norm, probs.float().mean(dim=2), context.query_positions, view.positions, view.valid, self.ema_decay)
-        layer.extras[EMA] = flatten(s, view.valid)
-        layer.extras[EMA_NORM] = flatten(norm, view.valid)
+    def wants_col_sums(self, view, context) -> bool:
+        return context.query.shape[2] == 1  # several queries at once: their weights are taken one by one
+
+    def step_weights(self, view, context, col_sums) -> torch.Tensor:
+        """Each query's attention [B, H, q, L] (votes included, mean over the group), in order."""
+        if col_sums is not None:
+            return col_sums[:, :, None]
+        grouped = group_queries(context.query, view.shape[1])
+        logits = masked_logits(grouped, view.keys, context.scaling, context.query_positions, view.positions, view.valid,
+                               view.log_weights)
+        return torch.nan_to_num(torch.softmax(logits, dim=-1)).mean(dim=2)
+
+    def update_importance(self, view, context, col_sums) -> None:
+        """Fold the step's attention into every entry's EMA (in the view's working channels)."""
+        s, norm = ema_over_queries(view.channels[EMA], view.channels[EMA_NORM], self.step_weights(view, context, col_sums),
+                                   context.query_positions, view.positions, view.valid, self.ema_decay)
+        view.channels.update({EMA: s, EMA_NORM: norm})
 
     @torch.no_grad()
-    def after_decode_step(self, layer, probs, context) -> None:
-        self.update_importance(layer, probs, context)
-        self.merge_over_budget(layer, context)
+    def decode_step(self, view, context, col_sums) -> Edit:
+        self.update_importance(view, context, col_sums)
+        return self.merge_over_budget(view, context) or Edit(channels={EMA: view.channels[EMA], EMA_NORM: view.channels[EMA_NORM]})
 
-    def merge_over_budget(self, layer, context) -> None:
+    def merge_over_budget(self, view, context) -> Edit | None:
         """Where a head holds more than budget + slack, merge its lowest-EMA entries (outside sinks and
         the recent window) back to the budget, against the current query."""
-        budgets = self.decode_budget(layer)
-        lengths = layer.head_lengths()
+        budgets = self.decode_budget(context)
+        lengths = view.lengths
         over = lengths > (budgets + self.slack)[:, None]
         if not bool(over.any()):
-            return
-        view = layer.padded_view()
-        key = priority(self.importance(layer), self.protected(layer, budgets), view.positions, view.valid)
+            return None
+        key = priority(self.importance(view), self.protected(view, context, budgets), view.positions, view.valid)
         per_head = torch.where(over, budgets[:, None].expand_as(lengths), lengths)
         keep = top_per_head(key, per_head)
-        self.merge(layer, keep, budgets, query_reference(layer, context), context.scaling)
+        return self.merge(view, context, keep, budgets, query_reference(view, context))
 
 
-def log_votes_of(layer: LayerCache) -> torch.Tensor:
-    """log p on the padded view [B, H, L] (0 where the layer holds no votes)."""
-    if layer.log_weights is None:
-        return torch.zeros(layer.padded_view().positions.shape, dtype=torch.float32, device=layer.flat_keys.device)
-    return layer.padded(layer.log_weights)
+MERGE_COUNTS = ("merged", "merge_groups", "dropped", "zip_fallbacks")
+
+
+def log_votes_of(view: KVView) -> torch.Tensor:
+    """log p [B, H, L] (0 where the layer holds no votes)."""
+    if view.log_weights is None:
+        return torch.zeros(view.shape, dtype=torch.float32, device=view.positions.device)
+    return view.log_weights
 
 
 __all__ = [
+    "EMA",
+    "EMA_NORM",
+    "KEY_RULES",
     "MergePlan",
     "Merged",
     "MergingMethod",
@@ -548,7 +561,10 @@ __all__ = [
     "d2o_merge",
     "group_combine",
     "nearest_carriers",
+    "query_reference",
+    "reference_output",
     "relative_error",
+    "view_reference_output",
+    "window_query_valid",
     "zip_merge",
-    "KEY_RULES",
 ]

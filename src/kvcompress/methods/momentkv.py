@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from .adakv import AdaKV
+from ..store.view import Edit
 from .base import adaptive_head_budgets, chunk_average, plus_protected, priority, recent_mask, sink_mask, top_per_head
 
 MOMENTS = "moments"
@@ -133,14 +134,13 @@ class MomentKV(AdaKV):
             raise ValueError("rounds must be ≥ 1, slack ≥ 0 and order 0 or 1")
 
     @property
-    def wants_decode_probs(self) -> bool:  # type: ignore[override]
+    def acts_while_decoding(self) -> bool:  # type: ignore[override]
         return self.decode_eviction
 
     # ----- scoring --------------------------------------------------------------------------
-    def residual_norms(self, layer, moments: Moments, scaling: float) -> torch.Tensor:
-        """‖r_i‖ for every held entry [B, H, L] (eq. 10, or its centred variant)."""
-        view = layer.padded_view()
-        keys, values = view.keys.float(), view.values.float()
+    def residual_norms(self, keys: torch.Tensor, values: torch.Tensor, moments: Moments, scaling: float) -> torch.Tensor:
+        """‖r_i‖ for entries [B, H, L, d] (eq. 10, or its centred variant): [B, H, L]."""
+        keys, values = keys.float(), values.float()
         if self.centred_residual:
             mu_k, mu_v, cov = moments.means()
             predicted = mu_v[:, :, None] + scaling * ((keys - mu_k[:, :, None]) @ cov.transpose(-1, -2))
@@ -148,72 +148,66 @@ class MomentKV(AdaKV):
             predicted = moments.evicted_output(keys, scaling)
         return (values - predicted).norm(dim=-1)
 
-    def eviction_key(self, layer, attention: torch.Tensor, moments: Moments, protected, scaling) -> torch.Tensor:
+    def eviction_key(self, view, attention: torch.Tensor, moments: Moments, protected, scaling) -> torch.Tensor:
         """Ranking key: a_i·‖r_i‖ (a_i alone while nothing has been evicted), chunk-averaged, protected first."""
-        view = layer.padded_view()
         score = attention
         if self.moment_eviction:
             has_moments = (moments.count > 0)[..., None]
-            score = torch.where(has_moments, attention * self.residual_norms(layer, moments, scaling), attention)
+            score = torch.where(has_moments, attention * self.residual_norms(view.keys, view.values, moments, scaling), attention)
         return priority(chunk_average(score, view.valid, self.chunk_size), protected, view.positions, view.valid)
 
     # ----- prefill --------------------------------------------------------------------------
-    def compress(self, layer, context) -> None:
-        view = layer.padded_view()
-        budgets = self.layer_budget(layer, context)
-        attention = self.score(layer, context)
-        protected = self.protected(layer, budgets)
+    def compress(self, view, context, sizes=None) -> Edit:
+        attention = self.score(view, context)
+        if sizes is not None:  # sizes chosen elsewhere (GVote): the protected entries plus ``sizes`` others
+            budgets = self._sized_budgets(sizes, context)
+            protected = self.protected(view, context, budgets)
+            return self._evict_in_rounds(view, context, attention, protected, plus_protected(sizes, protected, view.lengths))
+        budgets = self.layer_budget(context)
+        protected = self.protected(view, context, budgets)
         first_key = priority(chunk_average(attention, view.valid, self.chunk_size), protected, view.positions, view.valid)
         if self.head_budgets == "adaptive":
-            per_head = adaptive_head_budgets(first_key, budgets, self.alpha, layer.head_lengths())
+            per_head = adaptive_head_budgets(first_key, budgets, self.alpha, view.lengths)
         else:
-            per_head = torch.minimum(budgets[:, None].expand(-1, layer.num_kv_heads), layer.head_lengths())
-        self._evict_in_rounds(layer, context, attention, protected, per_head)
+            per_head = torch.minimum(budgets[:, None].expand(-1, view.shape[1]), view.lengths)
+        return self._evict_in_rounds(view, context, attention, protected, per_head)
 
-    def compress_to(self, layer, context, per_head: torch.Tensor) -> None:
-        """Moment-informed eviction in rounds and the correction, to sizes chosen elsewhere (GVote):
-        the protected entries plus ``per_head`` others."""
-        protected = self.protected(layer, per_head.amax(dim=-1))
-        self._evict_in_rounds(layer, context, self.score(layer, context), protected, plus_protected(per_head, protected, layer))
-
-    def _evict_in_rounds(self, layer, context, attention, protected, per_head) -> None:
+    def _evict_in_rounds(self, view, context, attention, protected, per_head) -> Edit:
         """Evict down to ``per_head`` [B, H] in ``rounds`` steps, folding each round's evictions into the moments."""
-        view = layer.padded_view()
-        moments = layer.state.get(MOMENTS) or Moments.empty(layer.batch_size, layer.num_kv_heads, layer.head_dim, view.keys.device, self.order)
-        lengths = layer.head_lengths()
-        keep = torch.ones_like(protected) if view.valid is None else view.valid.clone()
+        b, h, _ = view.shape
+        moments = context.state.get(MOMENTS) or Moments.empty(b, h, view.keys.shape[-1], view.keys.device, self.order)
+        lengths = view.lengths
+        keep = view.valid_or_ones().clone()
         for round_ in range(1, self.rounds + 1):
             target = lengths - torch.ceil((lengths - per_head).double() * round_ / self.rounds).long()
-            key = self.eviction_key(layer, attention, moments, protected, context.scaling).masked_fill(~keep, float("-inf"))
+            key = self.eviction_key(view, attention, moments, protected, context.scaling).masked_fill(~keep, float("-inf"))
             kept = top_per_head(key, target)
             moments = moments.add(view.keys, view.values, keep & ~kept)
             keep = kept
-        layer.retain(keep)
-        self._store(layer, moments)
+        return self._edit(keep, moments)
 
-    def _store(self, layer, moments: Moments) -> None:
-        layer.state[MOMENTS] = moments
+    def _edit(self, keep: torch.Tensor, moments: Moments) -> Edit:
         evicted = bool((moments.count > 0).any())  # with nothing evicted the read stays plain (and exact)
-        layer.summary = moments if self.correction and evicted else None
+        return Edit(keep=keep, summary=moments if self.correction and evicted else None, state={MOMENTS: moments})
 
     # ----- decoding -------------------------------------------------------------------------
-    def after_decode_step(self, layer, probs, context) -> None:
-        if not self.decode_eviction:
-            return
-        budgets = self.decode_budget(layer)
-        if not bool((layer.head_lengths() > budgets[:, None] + self.slack).any()):
-            return
-        view = layer.padded_view()
-        attention = probs.sum(dim=3).mean(dim=2)  # the current query's weights, mean over the group
-        recent = torch.full((layer.batch_size,), min(self.window, int(budgets.min())), dtype=torch.long)
+    def _over_budget(self, view, context) -> bool:
+        return bool((view.lengths > self.decode_budget(context)[:, None] + self.slack).any())
+
+    def wants_col_sums(self, view, context) -> bool:
+        return self._over_budget(view, context)  # the current query's weights score the eviction
+
+    def decode_step(self, view, context, col_sums) -> Edit | None:
+        if not self._over_budget(view, context):
+            return None
+        budgets = self.decode_budget(context)
+        recent = torch.full((view.shape[0],), min(self.window, int(budgets.min())), dtype=torch.long)
         protected = recent_mask(view.positions, view.valid, recent) | sink_mask(view.positions, view.valid, self.sinks)
-        moments = layer.state[MOMENTS]
-        key = self.eviction_key(layer, attention, moments, protected, context.scaling)
-        per_head = torch.minimum(budgets[:, None].expand(-1, layer.num_kv_heads), layer.head_lengths())
+        moments = context.state[MOMENTS]
+        key = self.eviction_key(view, col_sums, moments, protected, context.scaling)
+        per_head = torch.minimum(budgets[:, None].expand(-1, view.shape[1]), view.lengths)
         kept = top_per_head(key, per_head)
-        valid = view.valid if view.valid is not None else torch.ones_like(kept)
-        self._store(layer, moments.add(view.keys, view.values, valid & ~kept))
-        layer.retain(kept)
+        return self._edit(kept, moments.add(view.keys, view.values, view.valid_or_ones() & ~kept))
 
 
 def moment_floats_per_head(head_dim: int) -> int:

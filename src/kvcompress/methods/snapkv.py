@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import attention_probs, group_queries
+from ..read import attention_probs, group_queries
 from .base import Needs, ScoreMethod, pool_scores, recent_mask, sink_mask
 
 
@@ -43,22 +43,19 @@ class SnapKV(ScoreMethod):
     def needs(self) -> Needs:
         return Needs(window=self.window)
 
-    def score(self, layer, context) -> torch.Tensor:
-        view = layer.padded_view()
-        queries = layer.observations["window_queries"][:, :, -self.window :]
-        query_positions = layer.observations["window_positions"][:, -self.window :]
-        grouped = group_queries(queries, layer.num_kv_heads)
+    def score(self, view, context) -> torch.Tensor:
+        queries = context.observations["window_queries"][:, :, -self.window :]
+        query_positions = context.observations["window_positions"][:, -self.window :]
+        grouped = group_queries(queries, view.shape[1])
         probs = attention_probs(grouped, view.keys, context.scaling, query_positions, view.positions, view.valid)
         votes = probs.sum(dim=3)  # [B, H, G, L]: total attention from the window, per query head
-        window = self._window_mask(layer)
+        window = self._window_mask(view)
         votes = votes.masked_fill(window[:, :, None, :], 0.0)  # the window is kept anyway; it does not vote for itself
         return pool_scores(votes, self.kernel, self.pooling).mean(dim=2)
 
-    def _window_mask(self, layer) -> torch.Tensor:
-        view = layer.padded_view()
-        count = torch.full((layer.batch_size,), self.window, dtype=torch.long)
+    def _window_mask(self, view) -> torch.Tensor:
+        count = torch.full((view.shape[0],), self.window, dtype=torch.long)
         return recent_mask(view.positions, view.valid, count)
 
-    def protected(self, layer, budgets) -> torch.Tensor:
-        view = layer.padded_view()
-        return self._window_mask(layer) | sink_mask(view.positions, view.valid, self.sinks)
+    def protected(self, view, context, budgets) -> torch.Tensor:
+        return self._window_mask(view) | sink_mask(view.positions, view.valid, self.sinks)

@@ -23,12 +23,11 @@ class StreamingLLM(ScoreMethod):
 
     name: ClassVar[str] = "streamingllm"
     paper: ClassVar[str] = "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks"
-    evict_while_decoding: ClassVar[bool] = True
 
-    def score(self, layer, context):
+    def score(self, view, context):
         """Recency: a later position scores higher."""
-        return layer.padded_view().positions.float()
+        return view.positions.float()
 
-    def after_decode_step(self, layer, probs, context) -> None:
-        if self.roll:
-            super().after_decode_step(layer, probs, context)
+    @property
+    def acts_while_decoding(self) -> bool:  # type: ignore[override]
+        return self.roll

@@ -1,0 +1,262 @@
+"""The transformers adapter: ``CompressedCache`` (a ``Cache``) and the registered attention function.
+
+How it hooks in: building a ``CompressedCache`` switches the model to the attention
+implementation ``"kvcompress"`` (registered in ``AttentionInterface``, with SDPA's mask
+function). In each layer the model calls ``cache.update(k, v, layer_idx)``; ours stores
+nothing there: it marks the layer as pending on its attention module and returns the new
+states. The registered attention function then hands the layer to the ``Session``, which
+prefills (the first forward) or decodes. With any other cache the same attention function is
+plain SDPA, so a model switched to ``kvcompress`` still works with ``DynamicCache``.
+
+``get_seq_length`` returns the number of token positions seen, not entries held, so RoPE
+positions of new tokens stay right after eviction. Beam search, cropping and batch
+reordering raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..methods import Method, Needs, get_method
+from ..models import attention_modules, model_facts, rotary_embedding
+from ..session import Session
+from ..store.slots import SlotPool
+
+ATTENTION_NAME = "kvcompress"
+
+
+class _LayerShim(CacheLayerMixin):
+    """What transformers asks of a cache layer: its length (token positions seen)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: CompressedCache, layer_idx: int):
+        super().__init__()
+        self._cache, self._idx = cache, layer_idx
+
+    def _seen(self) -> int:
+        layer = self._cache.session.layers[self._idx]
+        return 0 if layer is None else layer.seen
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
+        raise RuntimeError("CompressedCache layers are written by the kvcompress attention function, not by update().")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
+        return self._seen() + query_length, 0
+
+    def get_seq_length(self) -> int:  # noqa: D102
+        return self._seen()
+
+    def get_max_length(self) -> int:  # noqa: D102
+        return -1
+
+
+def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface entry: a CompressedCache layer if one is pending, else SDPA."""
+    pending = module.__dict__.pop("_kvcompress_pending", None)
+    if pending is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    cache, layer_idx = pending
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = cache.attend(layer_idx, module, query, key, value, attention_mask, scaling, kwargs.get("position_ids"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Make ``attn_implementation="kvcompress"`` known to transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_kvcompress_attention(model) -> None:
+    """Switch a model to the kvcompress attention (plain caches still get SDPA through it)."""
+    register_attention()
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+def token_valid_from_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """Which prefill tokens are real (not padding), read from the last query row of the 4D mask."""
+    if mask is None:
+        return None
+    last_row = mask[:, 0, -1, -length:]
+    valid = last_row if last_row.dtype == torch.bool else last_row == 0
+    valid = valid.expand(batch, length)
+    return None if bool(valid.all()) else valid
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` that compresses each layer with a kvcompress method.
+
+    Use it like any cache: ``model.generate(ids, past_key_values=CompressedCache(model, method))``.
+    The first forward (the prefill) runs full attention, then the layers are compressed by
+    ``method`` (layer by layer, or all at once for a method with a global plan); later tokens
+    are appended and the method may evict while decoding. The model is switched to the
+    ``kvcompress`` attention implementation, which behaves as SDPA for any other cache.
+
+    Args:
+        model: a supported transformers causal LM (see ``kvcompress.models``).
+        method: a method from ``kvcompress.get_method`` (None = keep everything).
+        compress_on_prefill: False keeps the full prefill (and what methods need to
+            compress it) so that ``fork`` can compress copies with several methods.
+        observation_window: prefill queries to keep for scoring (default: what the method needs).
+        attention_sums: accumulate every prefill query's attention per entry (H2O scores).
+        hidden_stats: keep the per-channel mean and std of each layer's attention input (GVote).
+        pool: the slot pool to hold the entries (default: a private, growable one).
+    """
+
+    def __init__(self, model, method: Method | None = None, *, compress_on_prefill: bool = True,
+                 observation_window: int | None = None, attention_sums: bool | None = None,
+                 hidden_stats: bool | None = None, pool: SlotPool | None = None):
+        method = method if method is not None else get_method("full")
+        facts = model_facts(model)
+        modules = attention_modules(model)
+        use_kvcompress_attention(model)
+        self._config = model.config
+        self._modules = modules
+        needs = method.needs()
+        observe = Needs(
+            window=needs.window if observation_window is None else observation_window,
+            attention_sums=needs.attention_sums if attention_sums is None else attention_sums,
+            hidden_stats=needs.hidden_stats if hidden_stats is None else hidden_stats,
+        )
+        if observe.hidden_stats:
+            watch_attention_inputs(modules)
+        if pool is None:
+            weight = next(model.parameters())
+            pool = SlotPool(facts.head_dim, dtype=weight.dtype, device=weight.device)
+        self.session = Session(method, pool, num_layers=facts.num_layers, num_kv_heads=facts.num_kv_heads,
+                               modules=modules, rotary=rotary_embedding(model), observe=observe,
+                               compress_on_prefill=compress_on_prefill)
+        super().__init__(layers=[_LayerShim(self, i) for i in range(facts.num_layers)])
+        self.recorder: dict[int, tuple] | None = None  # set to {} to record each layer's next step (diagnose)
+
+    @classmethod
+    def shared(cls, model, methods: list[Method]) -> CompressedCache:
+        """An uncompressed cache that records what every one of ``methods`` needs, to ``fork`` each from
+        one prefill (prefill once, compress many)."""
+        needs = Needs()
+        for method in methods:
+            needs = needs.union(method.needs())
+        return cls(model, compress_on_prefill=False, observation_window=needs.window,
+                   attention_sums=needs.attention_sums, hidden_stats=needs.hidden_stats)
+
+    @property
+    def method(self) -> Method:
+        return self.session.method
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.session.timings
+
+    @property
+    def merge_error(self) -> float | None:
+        """The reference query's relative output error right after compression (methods that merge)."""
+        return self.session.stats().get("merge_error")
+
+    # ----- transformers' cache protocol ---------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Hand the layer to the kvcompress attention function (which stores the entries)."""
+        if self._config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError(
+                f"CompressedCache needs attn_implementation='{ATTENTION_NAME}' but the model uses "
+                f"'{self._config._attn_implementation}'; build the cache after any set_attn_implementation call."
+            )
+        self._modules[layer_idx]._kvcompress_pending = (self, layer_idx)
+        return key_states, value_states
+
+    def reorder_cache(self, beam_idx):  # noqa: D102
+        raise NotImplementedError("CompressedCache does not support beam search; use greedy or sampling.")
+
+    def crop(self, max_length):  # noqa: D102
+        raise NotImplementedError("CompressedCache cannot be cropped (assisted decoding is not supported).")
+
+    def batch_repeat_interleave(self, repeats):  # noqa: D102
+        raise NotImplementedError("CompressedCache does not support num_return_sequences > 1 or beam search.")
+
+    def batch_select_indices(self, indices):  # noqa: D102
+        raise NotImplementedError("CompressedCache does not support selecting batch rows.")
+
+    # ----- the attention step -------------------------------------------------------------
+    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids) -> torch.Tensor:
+        """Prefill or decode one layer through the session: output [B, Hq, q, d]."""
+        layer = self.session.layers[layer_idx]
+        batch, _, q, _ = query.shape
+        seen = 0 if layer is None else layer.seen
+        if position_ids is None:
+            position_ids = torch.arange(seen, seen + q, device=query.device).expand(batch, q)
+        position_ids = position_ids.expand(batch, q)
+        if layer is None:
+            stats = module.__dict__.pop("_kvcompress_hidden_stats", None)
+            return self.session.prefill(layer_idx, query, key, value, position_ids, scaling, mask=mask,
+                                        token_valid=token_valid_from_mask(mask, batch, q), hidden_stats=stats)
+        out = self.session.decode(layer_idx, query, key, value, position_ids)
+        if self.recorder is not None:  # diagnose: what this layer saw and answered
+            self.recorder[layer_idx] = (query, key, value, position_ids, out)
+        return out
+
+    # ----- prefill once, compress many ----------------------------------------------------
+    def fork(self, method: Method) -> CompressedCache:
+        """A copy of this (uncompressed) cache compressed with ``method``; this cache is untouched."""
+        twin = copy.copy(self)
+        twin.session = self.session.fork(method)
+        twin.layers = [_LayerShim(twin, i) for i in range(len(self.layers))]
+        twin.recorder = None
+        return twin
+
+    def release(self) -> None:
+        """Give the entries back to the pool (a fork of a shared prefill that is done)."""
+        self.session.release()
+
+    # ----- accounting -----------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of KV state really held over all layers."""
+        return self.session.kv_bytes()
+
+    def kv_bytes_full(self) -> int:
+        """Bytes a plain KV cache would hold for the same tokens (keys + values)."""
+        return self.session.kv_bytes_full()
+
+    def stats(self) -> dict[str, Any]:
+        """kr (bytes held ÷ full), cr (entries attended per step ÷ full), sizes, notes and the method's statistics."""
+        return self.session.stats()
+
+
+def watch_attention_inputs(modules) -> None:
+    """Hook each attention module once to record the per-channel mean and std of its input at prefill.
+
+    GVote samples future queries from N(mean, std²) of the layer's attention-input hidden
+    states (after the input norm); padding tokens are left out of the statistics.
+    """
+    for module in modules:
+        if getattr(module, "_kvcompress_input_hook", None) is None:
+            module._kvcompress_input_hook = module.register_forward_pre_hook(_record_input_stats, with_kwargs=True)
+
+
+def _record_input_stats(module, args, kwargs):
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if hidden is None or hidden.shape[1] < 2:  # decoding steps: nothing to record
+        return None
+    valid = token_valid_from_mask(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
+    weight = torch.ones(hidden.shape[:2], device=hidden.device) if valid is None else valid.float()
+    count = weight.sum(1, keepdim=True).clamp(min=1)[..., None]  # [B, 1, 1]
+    mean = (hidden.float() * weight[..., None]).sum(1, keepdim=True) / count
+    var = (((hidden.float() - mean) ** 2) * weight[..., None]).sum(1, keepdim=True) / count
+    module._kvcompress_hidden_stats = (mean[:, 0], var[:, 0].sqrt())  # [B, hidden] each
+    return None
+
+
+__all__ = ["ATTENTION_NAME", "CompressedCache", "kvcompress_attention", "register_attention", "use_kvcompress_attention",
+           "watch_attention_inputs"]

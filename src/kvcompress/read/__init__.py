@@ -1,0 +1,70 @@
+"""The read path: attention of new queries over a layer's view.
+
+    read(q, q_pos, view, scaling, select=None, col_sums=False) -> ReadResult(out, lse, col_sums)
+
+    select entries (optional, per KV head) → materialize them (the store's codec decodes only
+    those) → attend with per-entry log-weights → merge the summary of what left through
+    log-sum-exp → optional per-entry column sums
+
+It takes a ``KVView`` and knows nothing of methods, the store's layout or transformers.
+``reference.py`` is the float32 oracle; ``sdpa.py`` the fast path on torch's fused kernels
+(exact SDPA for uniform heads, a masked flash kernel with the log-sum-exp otherwise). Tests
+hold the fast path to the reference. Causality is decided by original token positions, so
+entries appended behind an evicted prefix need no mask bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..store.view import KVView
+from .reference import attend_reference, attention_probs, group_queries, merge_lse, read_reference
+from .sdpa import prompt_attention, prompt_column_sums, read_exact, read_masked
+
+
+@dataclass
+class ReadResult:
+    """``out`` [B, Hq, q, d] in the query's dtype; ``lse`` [B, Hq, q] float32 (None when the exact
+    SDPA path ran and nobody asked for it); ``col_sums`` [B, H, L] float32: Σ over the queries of
+    each entry's attention weight, mean over the GQA group, before the summary merge (zeros on
+    entries a selection left out)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    col_sums: torch.Tensor | None = None
+
+
+def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float, select: torch.Tensor | None = None,
+         col_sums: bool = False, need_lse: bool = False, reference: bool = False) -> ReadResult:
+    """Attend queries [B, Hq, q, d] at positions [B, q] to the view's entries.
+
+    ``select`` [B, H, k] (int64): per KV head, the indices (into the view's L) of the entries to
+    read; the rest are skipped (dynamic selection). ``reference=True`` runs the float32 oracle.
+    """
+    full_length = view.shape[2]
+    if select is not None:
+        view = view.select(select)
+    if reference:
+        out, lse, sums = read_reference(query, query_positions, view, scaling, col_sums)
+        out = out.to(query.dtype)
+    elif select is None and view.uniform and view.log_weights is None and view.summary is None and not (col_sums or need_lse):
+        return ReadResult(read_exact(query, query_positions, view, scaling))
+    else:
+        out, lse, sums = read_masked(query, query_positions, view, scaling, col_sums)
+    if sums is not None and select is not None:
+        sums = torch.zeros(*sums.shape[:2], full_length, dtype=sums.dtype, device=sums.device).scatter_add(-1, select, sums)
+    return ReadResult(out, lse, sums)
+
+
+__all__ = [
+    "ReadResult",
+    "attend_reference",
+    "attention_probs",
+    "group_queries",
+    "merge_lse",
+    "prompt_attention",
+    "prompt_column_sums",
+    "read",
+]

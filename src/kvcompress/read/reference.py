@@ -1,0 +1,127 @@
+"""The reference read: plain PyTorch in float32, the oracle every fast path is tested against.
+
+    logits τ·qᵀk + log w (hidden where a key comes after the query, by original position)
+    → softmax → output, log-sum-exp → merge a summary of what left through log-sum-exp
+
+Shapes: B batch, H KV heads, G query heads per KV head (GQA group), q queries, L entries
+per head, d head dim. Queries are grouped [B, H, G, q, d]: query head h·G + g serves KV
+head h, as transformers' ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..store.view import KVView, Summary
+
+
+def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, Hq, q, d] → [B, H, G, q, d] (query head h·G + g serves KV head h, as repeat_kv)."""
+    b, hq, q, d = query.shape
+    return query.view(b, num_kv_heads, hq // num_kv_heads, q, d)
+
+
+def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial softmax attentions over disjoint entry sets (log domain).
+
+    ``o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})``, computed with the
+    running max so that nothing overflows; an empty side (``lse = -inf``) contributes 0.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    out = w_a * torch.nan_to_num(out_a) + w_b * torch.nan_to_num(out_b)
+    return out, lse
+
+
+def masked_logits(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+    log_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 logits [B, H, G, q, L] = τ·qᵀk (+ log-weight), -inf where a key is hidden.
+
+    A key is hidden from a query when it is padding or comes after it (by original position).
+    """
+    logits = torch.einsum("bhgqd,bhld->bhgql", query.float(), keys.float()) * scaling
+    if log_weights is not None:
+        logits = logits + log_weights.float()[:, :, None, None, :]
+    visible = key_positions[:, :, None, None, :] <= query_positions[:, None, None, :, None]
+    if key_valid is not None:
+        visible = visible & key_valid[:, :, None, None, :]
+    return logits.masked_fill(~visible, float("-inf"))
+
+
+def attend_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    *,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+    log_weights: torch.Tensor | None = None,
+    summary: Summary | None = None,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention of grouped queries over entries, in float32.
+
+    Args:
+        query: [B, H, G, q, d]. keys, values: [B, H, L, d].
+        query_positions: [B, q]. key_positions: [B, H, L].
+        key_valid: [B, H, L] bool, False on padding of ragged heads (None = all valid).
+        log_weights: [B, H, L] float, added to the logits (KeepKV votes: log p).
+        summary: merged through log-sum-exp after attending the entries.
+    Returns:
+        out [B, H, G, q, d] float32, lse [B, H, G, q] float32 and, if asked, the
+        probabilities over the entries [B, H, G, q, L] (before the summary merge).
+    """
+    logits = masked_logits(query, keys, scaling, query_positions, key_positions, key_valid, log_weights)
+    lse = torch.logsumexp(logits, dim=-1)
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(logits - safe_lse.unsqueeze(-1))  # exp(-inf) = 0 on hidden entries
+    out = torch.einsum("bhgql,bhld->bhgqd", probs, values.float())
+    if summary is not None:
+        out_s, lse_s = summary.attend(query.float(), scaling)
+        out, lse = merge_lse(out, lse, out_s, lse_s)
+    return out, lse, (probs if return_probs else None)
+
+
+def attention_probs(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax weights [B, H, G, q, L] (float32) of grouped queries over entries; 0 where hidden."""
+    logits = masked_logits(query, keys, scaling, query_positions, key_positions, key_valid)
+    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+
+
+def read_reference(
+    query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float, col_sums: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The read over a view in float32: output [B, Hq, q, d], lse [B, Hq, q] and, if asked, the
+    column sums [B, H, L] (Σ over the queries of each entry's weight, mean over the GQA group,
+    before the summary merge)."""
+    b, hq, q, d = query.shape
+    heads = view.shape[1]
+    out, lse, probs = attend_reference(
+        group_queries(query, heads), view.keys, view.values, scaling,
+        query_positions=query_positions, key_positions=view.positions, key_valid=view.valid,
+        log_weights=view.log_weights, summary=view.summary, return_probs=col_sums,
+    )
+    sums = probs.sum(dim=3).mean(dim=2) if col_sums else None
+    return out.reshape(b, hq, q, d), lse.reshape(b, hq, q), sums
+
+
+__all__ = ["attend_reference", "attention_probs", "group_queries", "masked_logits", "merge_lse", "read_reference"]

@@ -1,0 +1,156 @@
+"""The fast read on torch's fused attention kernels (CPU, or any device torch's SDPA runs on).
+
+* ``read_exact``: every head holds the same entries, no log-weights, no summary — torch's
+  SDPA called exactly as transformers calls it, so the ``full`` method (and any method at
+  ratio 1.0) reproduces ``model.generate`` token for token.
+* ``read_masked``: everything else (ragged heads, log-weights, a summary, column sums). The
+  GQA group is folded into the query axis ([B, H, G·q, d] against [B, H, L, d], no copy of
+  the keys per query head), ragged heads, causality and log-weights become one additive
+  mask, and the CPU flash kernel returns the log-sum-exp that a summary merge needs. Column
+  sums (H2O's and KeepKV's decode scores) come from the same logits, without materializing
+  [B, H, G, q, L] probabilities twice.
+* ``prompt_attention`` and ``prompt_column_sums``: the prefill's causal attention over the
+  prompt, and each entry's total attention from every prompt query computed from the
+  kernel's log-sum-exp in query chunks (H2O's score) — never the n × n weights at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..store.view import KVView
+from .reference import group_queries, merge_lse
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, H, L, d] → [B, H·G, L, d]: KV head h serves query heads h·G … h·G + G − 1."""
+    if groups == 1:
+        return x
+    b, h, length, d = x.shape
+    return x[:, :, None].expand(b, h, groups, length, d).reshape(b, h * groups, length, d)
+
+
+def read_exact(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float) -> torch.Tensor:
+    """SDPA over uniform heads, as transformers' ``sdpa_attention_forward`` calls it: [B, Hq, q, d]."""
+    groups = query.shape[1] // view.shape[1]
+    if query.shape[2] == 1:
+        return F.scaled_dot_product_attention(query, view.keys, view.values, scale=scaling, enable_gqa=groups > 1)
+    mask = view.positions[:, :, None, :] <= query_positions[:, None, :, None]  # heads may hold different positions
+    mask = mask.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(query, repeat_kv(view.keys, groups), repeat_kv(view.values, groups), attn_mask=mask, scale=scaling)
+
+
+def _folded_bias(query_positions: torch.Tensor, view: KVView, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive float32 mask [B, H, G·q, L] (log-weights, -inf where hidden) and which rows see any entry [B, H, G·q]."""
+    visible = view.positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H, q, L]
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+    if view.log_weights is not None:
+        bias = bias + view.log_weights.float()[:, :, None, :]
+    bias = bias.masked_fill(~visible, float("-inf"))
+    b, h, q, length = bias.shape
+    bias = bias[:, :, None].expand(b, h, groups, q, length).reshape(b, h, groups * q, length)
+    seen = visible.any(-1)[:, :, None].expand(b, h, groups, q).reshape(b, h, groups * q)
+    return bias, seen
+
+
+def _attend(folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float):
+    """(out [B, H, M, d], lse [B, H, M] float32) of folded queries under an additive mask."""
+    if folded.device.type == "cpu" and _CPU_FLASH is not None:
+        out, lse = _CPU_FLASH(folded, keys, values, 0.0, False, attn_mask=bias.to(folded.dtype), scale=scaling)
+        return out, lse.float()
+    logits = torch.matmul(folded.float(), keys.float().transpose(-1, -2)) * scaling + bias
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    return torch.matmul(probs, values.float()).to(folded.dtype), lse
+
+
+def read_masked(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float,
+                col_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Output [B, Hq, q, d] (the query's dtype), lse [B, Hq, q] float32 (the summary merged) and, if
+    asked, column sums [B, H, L] float32 (before the summary merge)."""
+    b, hq, q, d = query.shape
+    heads = view.shape[1]
+    groups = hq // heads
+    folded = query.reshape(b, heads, groups * q, d)
+    keys, values = view.keys, view.values
+    bias, seen = _folded_bias(query_positions, view, groups)
+    out, lse = _attend(folded, keys.to(query.dtype), values.to(query.dtype), bias, scaling)
+    lse = lse.masked_fill(~seen, float("-inf"))  # the kernel reports 0 for a query that sees nothing
+    sums = None
+    if col_sums:  # normalized in float32 by their own log-sum-exp, so each query's weights sum to one
+        logits = torch.matmul(folded.float(), keys.float().transpose(-1, -2)) * scaling + bias
+        norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+        sums = torch.exp(logits - torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))).sum(dim=2) / groups
+    if view.summary is not None:
+        grouped = group_queries(query, heads)
+        out_s, lse_s = view.summary.attend(grouped.float(), scaling)
+        merged, lse_m = merge_lse(out.float().view(b, heads, groups, q, d), lse.view(b, heads, groups, q), out_s, lse_s)
+        out, lse = merged.to(query.dtype).reshape(b, heads, groups * q, d), lse_m.reshape(b, heads, groups * q)
+    return out.reshape(b, hq, q, d), lse.reshape(b, hq, q), sums
+
+
+# ----- the prompt ----------------------------------------------------------------------------
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                     mask: torch.Tensor | None = None, want_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of a prompt over itself, as transformers' SDPA computes it: output [B, Hq, n, d]
+    and, if asked, the log-sum-exp [B, Hq, n] float32 (the same numbers: the CPU kernel SDPA dispatches to).
+
+    ``mask`` is transformers' 4-D attention mask (padded batches) or None (causal)."""
+    groups = query.shape[1] // key.shape[1]
+    n = query.shape[2]
+    if mask is None and not want_lse:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=n > 1, scale=scaling, enable_gqa=groups > 1), None
+    keys, values = repeat_kv(key, groups), repeat_kv(value, groups)
+    on_cpu = query.device.type == "cpu" and _CPU_FLASH is not None
+    if mask is None and on_cpu:
+        out, lse = _CPU_FLASH(query, keys, values, 0.0, n > 1, scale=scaling)
+        return out, lse.float()
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()[None, None]
+    bias = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    if want_lse and on_cpu:
+        out, lse = _CPU_FLASH(query, keys, values, 0.0, False, attn_mask=bias.to(query.dtype), scale=scaling)
+        return out, lse.float()
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    if not want_lse:
+        return out, None
+    lse = torch.cat([torch.logsumexp(torch.matmul(query[:, :, s:s + 256].float(), keys.float().transpose(-1, -2)) * scaling
+                                     + bias[:, :, s:s + 256], dim=-1) for s in range(0, n, 256)], dim=2)
+    return out, lse
+
+
+def prompt_column_sums(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float,
+                       token_valid: torch.Tensor | None = None, chunk: int = 128) -> torch.Tensor:
+    """Σ over the prompt's (real) queries of each entry's attention weight, mean over the GQA group:
+    [B, H, n] float32 (H2O's score), from the attention's log-sum-exp ``lse`` [B, Hq, n].
+
+    Weights are rebuilt chunk by chunk as exp(τ·qᵀk − lse) over the visible keys only (a query
+    sees the keys up to itself, never padding), so the n × n matrix never exists at once."""
+    b, hq, n, d = query.shape
+    heads = key.shape[1]
+    groups = hq // heads
+    q = query.float().reshape(b * heads, groups, n, d)
+    k_t = key.float().reshape(b * heads, n, d).transpose(1, 2)  # [BH, d, n]
+    neg_lse = (-lse.float()).reshape(b * heads, groups, n)
+    key_ok = None if token_valid is None else token_valid.to(query.device).repeat_interleave(heads, dim=0)  # [BH, n]
+    total = torch.zeros(b * heads, n, dtype=torch.float32, device=query.device)
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        c = end - start
+        rows = q[:, :, start:end].reshape(b * heads, groups * c, d)
+        bias = neg_lse[:, :, start:end].reshape(b * heads, groups * c, 1).expand(-1, -1, end)
+        logits = torch.baddbmm(bias, rows, k_t[:, :, :end], alpha=scaling)  # τ·qᵀk − lse, [BH, G·c, end]
+        diagonal = logits[:, :, start:end].view(b * heads, groups, c, c)
+        diagonal.masked_fill_(torch.ones(c, c, dtype=torch.bool, device=query.device).triu(1), float("-inf"))
+        if key_ok is not None:
+            logits.masked_fill_(~key_ok[:, None, :end], float("-inf"))
+            query_ok = key_ok[:, None, start:end].expand(-1, groups, c).reshape(b * heads, groups * c, 1)
+            logits.masked_fill_(~query_ok, float("-inf"))  # padding queries do not vote
+        total[:, :end] += logits.exp_().sum(dim=1)
+    return (total / groups).view(b, heads, n)
+
+
+__all__ = ["prompt_attention", "prompt_column_sums", "read_exact", "read_masked", "repeat_kv"]

@@ -1,0 +1,264 @@
+"""What a read and a method see of a layer, and what a method may ask the store to change.
+
+* ``KVView``: one layer's entries for a batch, laid out [B, H, L, ...] (L = the longest KV
+  head; shorter heads are padded and ``valid`` says where). Keys and values are
+  materialized from the store only when first asked for, so a method that needs only
+  positions (StreamingLLM) never copies them.
+* ``Summary``: what a method keeps of entries that left (MomentKV's moments), merged into
+  every read through log-sum-exp.
+* ``LayerContext``: the facts about the layer and the step that are not entries.
+* ``Edit``: what a method returns — keep, rewrite entries, set log-weights, per-entry
+  channels, a summary, per-layer state. The store applies it; a method never writes
+  storage.
+
+Shapes: B batch rows, H KV heads, G query heads per KV head, L entries, d head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class Summary(Protocol):
+    """A per-head summary of evicted entries that contributes to attention (e.g. MomentKV).
+
+    ``attend`` returns the summary's output and log partition function for grouped queries
+    [B, H, G, q, d]: ``out`` [B, H, G, q, d] float32 and ``lse`` [B, H, G, q] float32
+    (``-inf`` = empty).
+    """
+
+    def attend(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def nbytes(self) -> int: ...
+
+
+class KVView:
+    """One layer's entries for a batch, padded to the longest head (see the module docstring).
+
+    Args:
+        positions: int64 [B, H, L], original token positions (padding holds a position after
+            every real one, so causality alone hides it).
+        lengths: int64 [B, H] on the CPU, entries per head.
+        load: ``load(index)`` returns (keys, values) [B, H, L, d] — or, given an index [B, H, k],
+            only those entries — on first access (None: give them directly).
+        keys, values: the entries, when already materialized.
+        log_weights: float32 [B, H, L] added to the logits (KeepKV's votes), or None.
+        channels: per-entry method state, float32 [B, H, L] each (H2O's scores, EMA).
+        summary: what left, merged into every read.
+    """
+
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        load: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        log_weights: torch.Tensor | None = None,
+        channels: Mapping[str, torch.Tensor] | None = None,
+        summary: Summary | None = None,
+    ):
+        if load is None and (keys is None or values is None):
+            raise ValueError("a KVView needs its keys and values or a loader for them")
+        self.positions = positions
+        self.lengths = lengths
+        self.log_weights = log_weights
+        self.channels = dict(channels or {})
+        self.summary = summary
+        self._load = load
+        self._kv = None if keys is None else (keys, values)
+        self._valid: torch.Tensor | None | bool = False  # False = not computed yet
+
+    @classmethod
+    def of(cls, keys, values, positions, valid=None, log_weights=None, channels=None, summary=None) -> KVView:
+        """A view over tensors already in [B, H, L, ...] layout (``valid`` None = every entry real)."""
+        b, h, length = positions.shape
+        lengths = valid.sum(-1).cpu() if valid is not None else torch.full((b, h), length, dtype=torch.long)
+        positions = positions.long()
+        if valid is not None:
+            positions = positions.masked_fill(~valid, PAD_POSITION)
+        return cls(positions, lengths, keys=keys, values=values, log_weights=log_weights, channels=channels, summary=summary)
+
+    # ----- shape ---------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, H, L)."""
+        return tuple(self.positions.shape)  # type: ignore[return-value]
+
+    @property
+    def uniform(self) -> bool:
+        """Every head holds L entries (no padding)."""
+        return self.valid is None
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """bool [B, H, L], False on padding; None when every head holds L entries."""
+        if self._valid is False:
+            length = self.positions.shape[-1]
+            if bool((self.lengths == length).all()):
+                self._valid = None
+            else:
+                span = torch.arange(length, device=self.positions.device)
+                self._valid = span < self.lengths.to(self.positions.device)[..., None]
+        return self._valid  # type: ignore[return-value]
+
+    def valid_or_ones(self) -> torch.Tensor:
+        valid = self.valid
+        return valid if valid is not None else torch.ones(self.shape, dtype=torch.bool, device=self.positions.device)
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.lengths.sum())
+
+    # ----- entries -------------------------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._materialized()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._materialized()[1]
+
+    def _materialized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kv is None:
+            self._kv = self._load(None)  # type: ignore[misc]
+        return self._kv
+
+    def select(self, index: torch.Tensor) -> KVView:
+        """The entries at ``index`` [B, H, k] of each head (every index must point at a real entry);
+        only those are materialized."""
+        pick = lambda t: None if t is None else t.gather(-1, index)  # noqa: E731
+        if self._kv is not None:
+            wide = index[..., None].expand(*index.shape, self.keys.shape[-1])
+            keys, values, load = self.keys.gather(2, wide), self.values.gather(2, wide), None
+        else:
+            keys = values = None
+            load = lambda _: self._load(index)  # noqa: E731
+        lengths = torch.full(index.shape[:2], index.shape[-1], dtype=torch.long)
+        return KVView(self.positions.gather(-1, index), lengths, load=load, keys=keys, values=values,
+                      log_weights=pick(self.log_weights), summary=self.summary)
+
+    def flat(self, padded: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, ...] → the real entries [N, ...], head after head."""
+        valid = self.valid
+        return padded[valid] if valid is not None else padded.reshape(-1, *padded.shape[3:])
+
+
+PAD_POSITION = 2**31 - 1  # the position of padding entries: after every real token
+
+
+@dataclass
+class LayerContext:
+    """What a method may know about the layer it compresses or decodes, beside its entries.
+
+    ``tokens_seen`` [B]: real tokens each row has seen so far (the full cache's length).
+    ``observations``: what the prefill recorded for scoring (``window_queries`` [B, Hq, w, d],
+    ``window_positions`` [B, w], ``attention_sums`` [B, H, L] in the view's layout,
+    ``hidden_mean``/``hidden_std`` [B, D]). ``state``: the method's per-layer state so far
+    (read only: changes go in ``Edit.state``). While decoding, ``query`` [B, Hq, q, d]
+    (after RoPE) and ``query_positions`` [B, q] are the step's queries. ``module`` is the
+    layer's attention module and ``rotary`` the model's rotary embedding (GVote projects
+    sampled hidden states through them). ``notes`` collects remarks for the stats.
+    """
+
+    layer_idx: int
+    num_layers: int
+    scaling: float
+    tokens_seen: torch.Tensor
+    observations: Mapping[str, Any] = field(default_factory=dict)
+    state: Mapping[str, Any] = field(default_factory=dict)
+    module: Any = None
+    rotary: Any = None
+    query: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    notes: set[str] = field(default_factory=set)
+
+    def note(self, message: str) -> None:
+        self.notes.add(message)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens_seen.shape[0])
+
+
+@dataclass
+class LayerInput:
+    """One layer as a cross-layer plan sees it: the context, and its view loaded on demand
+    (so that a plan over every layer never holds every layer's keys at once)."""
+
+    context: LayerContext
+    load: Callable[[], KVView]
+
+    @property
+    def view(self) -> KVView:
+        return self.load()
+
+
+class _Unchanged:
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Any = _Unchanged()
+
+
+@dataclass
+class Rewrite:
+    """New keys and values for the entries marked in ``mask`` [B, H, L] (a merge's carriers);
+    ``keys``, ``values`` [B, H, L, d] are read only where ``mask`` is True."""
+
+    mask: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class Entries:
+    """A whole new set of entries for a layer, [B, H, T, ...] with ``valid`` [B, H, T] (a rebuild
+    from elsewhere: KeepKV's periodic refresh)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    log_weights: torch.Tensor | None = None
+    channels: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Edit:
+    """What a method asks the store to do to one layer, in the layout of the view it was given.
+
+    Applied in this order: ``replace`` (a new set of entries; the rest of the edit then refers
+    to it), ``rewrite``, ``log_weights`` (None removes them), ``channels``, then ``keep``
+    (entries marked False leave; their slots are freed). ``summary`` replaces the layer's
+    summary (None removes it), ``state`` updates the method's per-layer state.
+    """
+
+    keep: torch.Tensor | None = None
+    rewrite: Rewrite | None = None
+    log_weights: Any = UNCHANGED
+    channels: dict[str, torch.Tensor] = field(default_factory=dict)
+    summary: Any = UNCHANGED
+    state: dict[str, Any] = field(default_factory=dict)
+    replace: Entries | None = None
+
+
+def edited_entries(view: KVView, edit: Edit) -> Entries:
+    """The entries ``view`` would hold after ``edit`` (its ``rewrite``, ``log_weights``, ``channels``
+    and ``keep``), as tensors: a layer rebuilt elsewhere becomes ``Edit(replace=...)``."""
+    keys, values = view.keys, view.values
+    if edit.rewrite is not None:
+        keys = torch.where(edit.rewrite.mask[..., None], edit.rewrite.keys.to(keys.dtype), keys)
+        values = torch.where(edit.rewrite.mask[..., None], edit.rewrite.values.to(values.dtype), values)
+    log_weights = view.log_weights if edit.log_weights is UNCHANGED else edit.log_weights
+    valid = view.valid_or_ones() if edit.keep is None else edit.keep & view.valid_or_ones()
+    return Entries(keys, values, view.positions, valid, log_weights, {**view.channels, **edit.channels})
+
+
+__all__ = ["edited_entries", "PAD_POSITION", "UNCHANGED", "Edit", "Entries", "KVView", "LayerContext", "LayerInput", "Rewrite", "Summary"]
