@@ -1,0 +1,142 @@
+"""The slot pool and slot tables: in-place appends, evictions that free slots, forks that share them."""
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompress.store.slots import LENGTH_BYTES, LayerTable, PoolExhausted, SlotPool
+from kvcompress.store.view import Edit, Rewrite
+
+DIM = 4
+
+
+class Model:
+    """What a table should hold, kept in plain Python: per (row, head) a list of (position, key value)."""
+
+    def __init__(self, batch, heads):
+        self.heads = [[[] for _ in range(heads)] for _ in range(batch)]
+
+
+def _check(pool: SlotPool, tables: dict[int, LayerTable], models: dict[int, Model]) -> None:
+    holders = Counter()
+    for table in tables.values():
+        holders.update(table.held_slots().tolist())
+    assert all(count >= 1 for count in holders.values())
+    refs = pool.refs
+    for slot, count in holders.items():
+        assert int(refs[slot]) == count  # every holder counted once: nothing leaked, nothing doubly owned
+    free = set(pool._free[: pool._top].tolist())
+    assert len(free) == pool._top  # no slot twice on the free list
+    assert free.isdisjoint(holders) and 0 not in free
+    assert pool.num_used == len(holders) == pool.capacity - len(free)  # every slot is held or free
+    assert int(refs[list(free)].abs().sum()) == 0 if free else True
+    assert pool.used_bytes == len(holders) * pool.bytes_per_slot
+    for key, table in tables.items():
+        view = table.view(pool)
+        model = models[key]
+        for b, row in enumerate(model.heads):
+            for h, entries in enumerate(row):
+                n = int(table.lengths[b, h])
+                assert n == len(entries)
+                assert view.positions[b, h, :n].tolist() == [p for p, _ in entries]
+                assert view.keys[b, h, :n, 0].tolist() == [float(k) for _, k in entries]
+                assert torch.equal(view.values[b, h, :n, 0], -view.keys[b, h, :n, 0])
+        expected = table.num_entries * (pool.bytes_per_slot + 4 + 4) + table.lengths.numel() * LENGTH_BYTES
+        assert table.nbytes(pool) == expected
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", "rewrite"]), st.integers(0, 10**6)),
+               min_size=1, max_size=25)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS, batch=st.integers(1, 2), heads=st.integers(1, 3))
+def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, batch, heads):
+    pool = SlotPool(DIM, initial=8)  # small: the pool grows along the way
+    tables, models = {0: LayerTable(batch, heads)}, {0: Model(batch, heads)}
+    counter = {"position": 0, "value": 1.0, "next": 1}
+    for op, seed in ops:
+        gen = torch.Generator().manual_seed(seed)
+        key = sorted(tables)[seed % len(tables)] if tables else None
+        if op == "append" and key is not None:
+            q = 1 + seed % 3
+            values = counter["value"] + torch.arange(batch * heads * q, dtype=torch.float32).view(batch, heads, q)
+            counter["value"] += batch * heads * q
+            positions = torch.arange(counter["position"], counter["position"] + q).expand(batch, q)
+            counter["position"] += q
+            keys = values[..., None].expand(batch, heads, q, DIM).clone()
+            tables[key].append(pool, keys, -keys, positions)
+            for b in range(batch):
+                for h in range(heads):
+                    models[key].heads[b][h] += [(int(positions[b, j]), float(values[b, h, j])) for j in range(q)]
+        elif op == "evict" and key is not None:
+            length = tables[key].longest
+            keep = torch.rand(batch, heads, length, generator=gen) < 0.6
+            tables[key].apply(pool, Edit(keep=keep))
+            model = models[key]
+            model.heads = [[[e for j, e in enumerate(entries) if bool(keep[b, h, j])] for h, entries in enumerate(row)]
+                           for b, row in enumerate(model.heads)]
+        elif op == "fork" and key is not None:
+            new = counter["next"]
+            counter["next"] += 1
+            tables[new] = tables[key].share(pool)
+            models[new] = Model(batch, heads)
+            models[new].heads = [[list(entries) for entries in row] for row in models[key].heads]
+        elif op == "release" and key is not None:
+            tables.pop(key).release(pool)
+            models.pop(key)
+        elif op == "rewrite" and key is not None:
+            length = tables[key].longest
+            mask = torch.rand(batch, heads, length, generator=gen) < 0.3
+            new_values = torch.full((batch, heads, length), 1000.0 + counter["value"])
+            counter["value"] += 1
+            keys = new_values[..., None].expand(batch, heads, length, DIM)
+            tables[key].apply(pool, Edit(rewrite=Rewrite(mask, keys, -keys)))
+            for b, row in enumerate(models[key].heads):
+                for h, entries in enumerate(row):
+                    for j, (position, _) in enumerate(entries):
+                        if bool(mask[b, h, j]):
+                            entries[j] = (position, float(new_values[b, h, j]))
+        _check(pool, tables, models)
+    for table in tables.values():
+        table.release(pool)
+    assert pool.num_used == 0 and int(pool.refs.sum()) == 0  # everything comes back
+
+
+def test_a_rewrite_never_shows_in_a_fork():
+    pool = SlotPool(DIM)
+    table = LayerTable(1, 1)
+    keys = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1).expand(1, 1, 6, DIM)
+    table.append(pool, keys, keys, torch.arange(6).expand(1, 6))
+    twin = table.share(pool)
+    mask = torch.zeros(1, 1, 6, dtype=torch.bool)
+    mask[..., 2] = True
+    twin.apply(pool, Edit(rewrite=Rewrite(mask, torch.full((1, 1, 6, DIM), 99.0), torch.full((1, 1, 6, DIM), 99.0))))
+    assert table.view(pool).keys[0, 0, 2, 0] == 2.0 and twin.view(pool).keys[0, 0, 2, 0] == 99.0
+    assert pool.num_used == 7  # six shared slots plus the fork's own rewritten one
+
+
+def test_append_writes_only_the_new_entries():
+    pool = SlotPool(DIM)
+    table = LayerTable(1, 2)
+    table.append(pool, torch.zeros(1, 2, 10, DIM), torch.zeros(1, 2, 10, DIM), torch.arange(10).expand(1, 10))
+    before_slots = table.slots.clone()
+    before_arrays = pool.arrays["keys"].clone()
+    table.append(pool, torch.ones(1, 2, 1, DIM), torch.ones(1, 2, 1, DIM), torch.tensor([[10]]))
+    assert torch.equal(table.slots[:, :, :10], before_slots[:, :, :10])  # the old entries stay where they were
+    changed = (pool.arrays["keys"][: before_arrays.shape[0]] != before_arrays).any(-1).nonzero().flatten().tolist()
+    assert changed == table.slots[0, :, 10].tolist()  # only the two new slots were written
+
+
+def test_fixed_pool_refuses_without_touching_anything():
+    pool = SlotPool(DIM, capacity=10)
+    table = LayerTable(1, 2)
+    table.append(pool, torch.zeros(1, 2, 4, DIM), torch.zeros(1, 2, 4, DIM), torch.arange(4).expand(1, 4))
+    with pytest.raises(PoolExhausted, match="2 free slots, 4 are needed"):
+        table.append(pool, torch.zeros(1, 2, 2, DIM), torch.zeros(1, 2, 2, DIM), torch.arange(4, 6).expand(1, 2))
+    assert table.lengths.tolist() == [[4, 4]] and pool.num_used == 8 and pool.capacity == 10
+    table.release(pool)
+    assert pool.num_free == 10

@@ -1,0 +1,60 @@
+"""The session: a plan across layers, forks that share a pool, release."""
+
+import torch
+
+from common import layers_of, tiny_model
+from kvcompress import CompressedCache, get_method
+
+
+def _ids(n, seed=1):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_global_plan_gives_layers_different_sizes_within_one_budget():
+    model = tiny_model(layers=4, seed=2)
+    with torch.no_grad():  # peaked attention in some layers, flat in others, so that their needs differ
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.q_proj.weight.mul_(1 + 6 * (i % 2))
+    method = get_method("snapkv", budget=24, window=8, layer_budgets="global")
+    assert method.plans_globally
+    cache = CompressedCache(model, method)
+    model(_ids(100), past_key_values=cache)
+    per_layer = [int(layer.head_lengths().sum()) for layer in layers_of(cache)]
+    per_head = torch.cat([layer.head_lengths().flatten() for layer in layers_of(cache)])
+    assert sum(per_layer) == 24 * 4 * 2  # budget × layers × KV heads, exactly
+    assert len(set(per_layer)) > 1 and len(set(per_head.tolist())) > 2  # layers and heads hold different amounts
+    assert all(int(n) >= 8 for n in per_head)  # every head keeps its window
+    assert cache.stats()["entries"] == 24 * 4 * 2 and cache.session.pool.num_used == 24 * 4 * 2
+    # the plan ranks the unprotected entries of every layer and head on one scale
+    uniform = CompressedCache(model, get_method("snapkv", budget=24, window=8))
+    model(_ids(100), past_key_values=uniform)
+    assert [int(layer.head_lengths().sum()) for layer in layers_of(uniform)] == [48] * 4
+
+
+def test_global_plan_forks_like_it_compresses():
+    model = tiny_model(layers=3)
+    ids = _ids(90)
+    method = get_method("adakv", ratio=0.3, window=8, layer_budgets="global")
+    direct = CompressedCache(model, method)
+    model(ids, past_key_values=direct)
+    shared = CompressedCache.shared(model, [method])
+    model(ids, past_key_values=shared)
+    forked = shared.fork(method)
+    for a, b in zip(layers_of(direct), layers_of(forked)):
+        assert torch.equal(a.view().positions, b.view().positions)
+
+
+def test_forks_share_the_pool_and_give_their_slots_back():
+    model = tiny_model()
+    ids = _ids(60)
+    shared = CompressedCache.shared(model, [get_method("h2o", budget=12), get_method("keepkv", budget=12, window=8)])
+    model(ids, past_key_values=shared)
+    pool = shared.session.pool
+    prefill = pool.num_used
+    assert prefill == 2 * 2 * 60  # layers × KV heads × tokens: one slot per entry
+    fork = shared.fork(get_method("keepkv", budget=12, window=8))
+    model.generate(ids, past_key_values=fork, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert pool.num_used > prefill  # its decoded entries and merged carriers
+    fork.release()
+    assert pool.num_used == prefill and fork.stats()["entries"] == 0
+    assert int(pool.refs.max()) == 1  # the shared prefill holds its slots alone again
