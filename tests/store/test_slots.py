@@ -94,7 +94,8 @@ def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, 
             new_values = torch.full((batch, heads, length), 1000.0 + counter["value"])
             counter["value"] += 1
             keys = new_values[..., None].expand(batch, heads, length, DIM)
-            tables[key].apply(pool, Edit(rewrite=Rewrite(mask, keys, -keys)))
+            mask &= torch.arange(length) < tables[key].lengths[..., None]  # only real entries can be rewritten
+            tables[key].apply(pool, Edit(rewrite=Rewrite(mask, keys[mask], -keys[mask])))
             for b, row in enumerate(models[key].heads):
                 for h, entries in enumerate(row):
                     for j, (position, _) in enumerate(entries):
@@ -114,7 +115,7 @@ def test_a_rewrite_never_shows_in_a_fork():
     twin = table.share(pool)
     mask = torch.zeros(1, 1, 6, dtype=torch.bool)
     mask[..., 2] = True
-    twin.apply(pool, Edit(rewrite=Rewrite(mask, torch.full((1, 1, 6, DIM), 99.0), torch.full((1, 1, 6, DIM), 99.0))))
+    twin.apply(pool, Edit(rewrite=Rewrite(mask, torch.full((1, DIM), 99.0), torch.full((1, DIM), 99.0))))
     assert table.view(pool).keys[0, 0, 2, 0] == 2.0 and twin.view(pool).keys[0, 0, 2, 0] == 99.0
     assert pool.num_used == 7  # six shared slots plus the fork's own rewritten one
 

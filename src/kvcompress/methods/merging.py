@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -165,39 +166,56 @@ class MergePlan:
     target: torch.Tensor
     similarity: torch.Tensor
 
-    @property
+    @cached_property
     def members(self) -> torch.Tensor:
         """Entries that end up in some retained entry: the kept ones and the merged candidates."""
         return self.keep | self.merged
 
-    @property
+    @cached_property
     def carriers(self) -> torch.Tensor:
         """Kept entries that receive at least one candidate."""
         received = torch.zeros_like(self.target).scatter_add(-1, self.target, self.merged.long())
         return received > 0
 
 
-def group_combine(
-    x: torch.Tensor, log_weight: torch.Tensor, plan: MergePlan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group (a carrier and its candidates): Σ w_i x_i / Σ w_i and log Σ w_i, w_i = exp(log_weight_i).
+@dataclass
+class GroupWeights:
+    """Per entry its weight within its group, shifted by the group's largest log-weight (0 for entries
+    in no group), and per group, at its carrier, the total shifted weight and the log of the true total."""
 
-    x: [B, H, L, ...]; log_weight: [B, H, L]. Results sit at the group's carrier index
-    ([B, H, L, ...] float64 and [B, H, L] float64); the sums are shifted by each group's
-    largest log-weight, so huge logits neither overflow nor underflow.
-    """
-    member = plan.members
+    weight: torch.Tensor
+    total: torch.Tensor
+    log_total: torch.Tensor
+
+
+def group_weights(log_weight: torch.Tensor, plan: MergePlan) -> GroupWeights:
+    """Weights w_i = exp(log_weight_i) [B, H, L] of each group (a carrier and its candidates), computed
+    in float64 with a per-group shift so that huge logits neither overflow nor underflow."""
     target = plan.target
-    lw = log_weight.double().masked_fill(~member, float("-inf"))
+    lw = log_weight.double().masked_fill(~plan.members, float("-inf"))
     shift = torch.full_like(lw, float("-inf")).scatter_reduce(-1, target, lw, reduce="amax", include_self=True)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     weight = torch.exp(lw - shift.gather(-1, target))  # 0 for non-members
     total = torch.zeros_like(weight).scatter_add(-1, target, weight)
+    return GroupWeights(weight, total, torch.log(total) + shift)
+
+
+def group_mean(x: torch.Tensor, weights: GroupWeights, plan: MergePlan) -> torch.Tensor:
+    """Σ w_i x_i / Σ w_i of each group, at its carrier: x [B, H, L, ...] → float64 [B, H, L, ...]."""
     flat_x = x.double().reshape(*x.shape[:3], -1)
-    index = target[..., None].expand_as(flat_x)
-    summed = torch.zeros_like(flat_x).scatter_add(2, index, weight[..., None] * flat_x)
-    mean = (summed / total.clamp(min=1e-300)[..., None]).reshape(x.shape)
-    return mean, torch.log(total) + shift
+    index = plan.target[..., None].expand_as(flat_x)
+    summed = torch.zeros_like(flat_x).scatter_add(2, index, weights.weight[..., None] * flat_x)
+    return (summed / weights.total.clamp(min=1e-300)[..., None]).reshape(x.shape)
+
+
+def group_combine(x: torch.Tensor, log_weight: torch.Tensor, plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (a carrier and its candidates): Σ w_i x_i / Σ w_i and log Σ w_i, w_i = exp(log_weight_i).
+
+    x: [B, H, L, ...]; log_weight: [B, H, L]. Results sit at the group's carrier index
+    ([B, H, L, ...] float64 and [B, H, L] float64).
+    """
+    weights = group_weights(log_weight, plan)
+    return group_mean(x, weights, plan), weights.log_total
 
 
 @dataclass
@@ -243,10 +261,13 @@ def zip_merge(
     if key_rule not in KEY_RULES:
         raise ValueError(f"unknown key_rule {key_rule!r}: use one of {', '.join(KEY_RULES)}")
     log_w = log_votes.double() + logits
-    k_mean, log_total = group_combine(keys, log_w, plan)
-    v_mean, _ = group_combine(values, log_w, plan)
-    lam_bar = group_combine(logits[..., None], log_w, plan)[0][..., 0]  # λ̄ = τ q̄ᵀk̄
-    _, log_p = group_combine(torch.zeros_like(logits), log_votes, plan)  # log Σ p
+    weights = group_weights(log_w, plan)
+    log_total = weights.log_total
+    d = keys.shape[-1]
+    parts = [keys.double(), values.double(), logits[..., None], logits.abs()[..., None]]  # one pass over every group
+    means = group_mean(torch.cat(parts, dim=-1), weights, plan)
+    k_mean, v_mean, lam_bar, lam_abs = means[..., :d], means[..., d : 2 * d], means[..., 2 * d], means[..., 2 * d + 1]
+    log_p = group_weights(log_votes, plan).log_total  # log Σ p
     target = log_total - log_p  # T: the logit the merged entry needs with Σ p votes
     carriers = plan.carriers
     sag_votes = log_total - lam_bar  # log p_r of the ``votes`` rule
@@ -254,7 +275,6 @@ def zip_merge(
     if key_rule == "zip":
         scale = target / lam_bar
         if math.isinf(max_key_scale):  # the paper's guard only: Σ w λ near 0 against Σ w |λ|
-            lam_abs = group_combine(logits.abs()[..., None], log_w, plan)[0][..., 0]
             in_range = torch.isfinite(scale) & (lam_bar.abs() > PAPER_EPS * lam_abs)
         else:
             in_range = torch.isfinite(scale) & (scale >= 1.0 / max_key_scale) & (scale <= max_key_scale)
@@ -429,16 +449,15 @@ class MergingMethod(SnapKV):
         if edit.rewrite is None and (edit.keep is None or bool((edit.keep | ~view.valid_or_ones()).all())):
             return 0.0
         expected, _ = view_reference_output(ref, view, scaling)
-        keys = torch.where(edit.rewrite.mask[..., None], edit.rewrite.keys, view.keys) if edit.rewrite else view.keys
-        values = torch.where(edit.rewrite.mask[..., None], edit.rewrite.values, view.values) if edit.rewrite else view.values
+        keys, values = edit.rewrite.applied(view.keys, view.values) if edit.rewrite else (view.keys, view.values)
         log_weights = view.log_weights if edit.log_weights is UNCHANGED else edit.log_weights
         out, _ = reference_output(ref, keys, values, view.positions, edit.keep & view.valid_or_ones(), log_weights, scaling)
         return relative_error(out, expected)
 
-    def carrier_pool(self, view, context, keep: torch.Tensor, candidates: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-        """Retained entries that may carry: outside sinks and the recent window (all retained ones
-        in a head where none is left outside them)."""
-        pool = keep & ~self.protected(view, context, budgets)
+    def carrier_pool(self, context, keep: torch.Tensor, candidates: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        """Retained entries that may carry: outside sinks and the recent window (``protected``), or all
+        retained ones in a head where none is left outside them."""
+        pool = keep & ~protected
         empty = ~pool.any(dim=-1, keepdim=True)
         if bool((empty & candidates.any(dim=-1, keepdim=True)).any()):
             context.note(f"{self.name}: budget leaves no carrier outside sinks and the recent window; protected entries carry")
@@ -451,15 +470,18 @@ class MergingMethod(SnapKV):
             return candidates
         return candidates & (similarity >= self.similarity_threshold)
 
-    def merge(self, view, context, keep: torch.Tensor, budgets: torch.Tensor, ref: Reference) -> Edit:
-        """Fold every valid entry outside ``keep`` [B, H, L] into its carrier (or drop it): the edit."""
+    def merge(self, view, context, keep: torch.Tensor, budgets: torch.Tensor, ref: Reference, protected=None) -> Edit:
+        """Fold every valid entry outside ``keep`` [B, H, L] into its carrier (or drop it): the edit.
+        ``protected``: the sinks and recent window under ``budgets`` (computed here when not given)."""
         valid = view.valid_or_ones()
         keep = keep & valid
         candidates = valid & ~keep
         channels = {EMA: view.channels[EMA], EMA_NORM: view.channels[EMA_NORM]}
         if not bool(candidates.any()):
             return Edit(keep=keep, channels=channels)
-        similarity, carrier = nearest_carriers(view.keys, candidates, self.carrier_pool(view, context, keep, candidates, budgets))
+        if protected is None:
+            protected = self.protected(view, context, budgets)
+        similarity, carrier = nearest_carriers(view.keys, candidates, self.carrier_pool(context, keep, candidates, protected))
         state: dict = {}
         merged = self.accept(context, similarity, candidates, state) & torch.isfinite(similarity)
         target = torch.where(merged, carrier, torch.arange(keep.shape[-1], device=keep.device).expand_as(carrier))
@@ -467,7 +489,9 @@ class MergingMethod(SnapKV):
         result = self.merge_rule(view, plan, ref, context.scaling)
         state.update(self._count(context, plan, result))
         channels.update(self._merged_importance(view, plan))
-        edit = Edit(keep=plan.keep, rewrite=Rewrite(plan.carriers, result.keys, result.values), channels=channels, state=state)
+        carriers = plan.carriers
+        edit = Edit(keep=plan.keep, rewrite=Rewrite(carriers, result.keys[carriers], result.values[carriers]), channels=channels,
+                    state=state)
         if result.log_votes is not None:
             edit.log_weights = result.log_votes
         return edit
@@ -533,10 +557,52 @@ class MergingMethod(SnapKV):
         over = lengths > (budgets + self.slack)[:, None]
         if not bool(over.any()):
             return None
-        key = priority(self.importance(view), self.protected(view, context, budgets), view.positions, view.valid)
-        per_head = torch.where(over, budgets[:, None].expand_as(lengths), lengths)
-        keep = top_per_head(key, per_head)
-        return self.merge(view, context, keep, budgets, query_reference(view, context))
+        protected = self.protected(view, context, budgets)
+        excess = torch.where(over, lengths - budgets[:, None], 0)
+        if int(excess.max()) == 1 and bool(((view.valid_or_ones() & ~protected).sum(-1) >= 2).all()):
+            return self.merge_one(view, context, over, protected)  # the decoding steady state
+        key = priority(self.importance(view), protected, view.positions, view.valid)
+        keep = top_per_head(key, lengths - excess)
+        return self.merge(view, context, keep, budgets, query_reference(view, context), protected)
+
+    def merge_one(self, view, context, over: torch.Tensor, protected: torch.Tensor) -> Edit:
+        """One entry leaves each head in ``over`` [B, H] — its lowest-importance unprotected entry — folded
+        into its most similar unprotected retained key against the current query: ``merge`` with one
+        group per head, computed on the two entries of each group only (the per-step cost of decoding)."""
+        device = view.positions.device
+        valid = view.valid_or_ones()
+        over = over.to(device)
+        open_ = valid & ~protected
+        candidate = self.importance(view).masked_fill(~open_, float("inf")).argmin(-1, keepdim=True)  # [B, H, 1]
+        keys = view.keys
+        leaving = candidate[..., None].expand(-1, -1, 1, keys.shape[-1])
+        similarity = (F.normalize(keys.float(), dim=-1) @ F.normalize(keys.gather(2, leaving).float(), dim=-1).transpose(-1, -2))[..., 0]
+        best, carrier = similarity.masked_fill(~open_.scatter(-1, candidate, False), float("-inf")).max(-1, keepdim=True)
+        candidates = torch.zeros_like(valid).scatter(-1, candidate, over[..., None])
+        state: dict = {}
+        merged = self.accept(context, torch.full_like(similarity, float("-inf")).scatter(-1, candidate, best), candidates, state)
+        merged_head = merged.any(-1, keepdim=True)  # [B, H, 1]: the candidate merges (else it is dropped)
+        pair = view.select(torch.cat([carrier, candidate], dim=-1))  # [B, H, 2]: the carrier, then the candidate
+        plan = MergePlan(
+            keep=torch.tensor([True, False], device=device).expand(*candidate.shape[:2], 2),
+            merged=torch.cat([torch.zeros_like(merged_head), merged_head], dim=-1),
+            dropped=torch.cat([torch.zeros_like(merged_head), over[..., None] & ~merged_head], dim=-1),
+            target=torch.cat([torch.zeros_like(carrier), torch.where(merged_head, 0, 1)], dim=-1),
+            similarity=torch.cat([torch.full_like(best, float("-inf")), best], dim=-1),
+        )
+        result = self.merge_rule(pair, plan, query_reference(view, context), context.scaling)
+        state.update(self._count(context, plan, result))
+        rewritten = torch.zeros_like(valid).scatter(-1, carrier, merged_head)
+        edit = Edit(keep=valid & ~candidates, rewrite=Rewrite(rewritten, result.keys[:, :, 0][merged_head[..., 0]],
+                                                              result.values[:, :, 0][merged_head[..., 0]]), state=state)
+        if result.log_votes is not None:
+            edit.log_weights = log_votes_of(view).scatter(-1, carrier, torch.where(merged_head, result.log_votes[..., :1],
+                                                                                    log_votes_of(view).gather(-1, carrier)))
+        importance = self._merged_importance(pair, plan)
+        edit.channels = {name: view.channels[name].scatter(-1, carrier, torch.where(merged_head, importance[name][..., :1],
+                                                                                    view.channels[name].gather(-1, carrier)))
+                         for name in (EMA, EMA_NORM)}
+        return edit
 
 
 MERGE_COUNTS = ("merged", "merge_groups", "dropped", "zip_fallbacks")

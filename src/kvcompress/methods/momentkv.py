@@ -72,14 +72,14 @@ class Moments:
         return mu_k, mu_v, cov
 
     def evicted_output(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
-        """ô_E(x) = μ_v + τ·C·x (eq. 9; order 0: μ_v) for x [B, H, ..., d]."""
+        """ô_E(x) = μ_v + τ·C·x (eq. 9; order 0: μ_v) for x [B, H, ..., d]: one matrix product per head."""
         _, mu_v, cov = self.means()
-        extra = x.dim() - 3
-        mu_v = mu_v.view(*mu_v.shape[:2], *([1] * extra), mu_v.shape[-1])
+        b, h, d = mu_v.shape
+        mu_v = mu_v.view(b, h, *([1] * (x.dim() - 3)), d)
         if self.order == 0:
             return mu_v.expand_as(x)
-        cov = cov.view(*cov.shape[:2], *([1] * extra), *cov.shape[-2:])
-        return mu_v + scaling * (cov @ x.float().unsqueeze(-1)).squeeze(-1)
+        rows = x.float().reshape(b, h, -1, d) @ cov.transpose(-1, -2)  # (C·x)ᵀ = xᵀCᵀ for every x at once
+        return mu_v + scaling * rows.view(x.shape)
 
     def readout(self, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The read as one affine map, computed once per Moments object (they are never changed in

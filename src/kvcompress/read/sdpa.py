@@ -44,46 +44,48 @@ def read_exact(query: torch.Tensor, query_positions: torch.Tensor, view: KVView,
 
 
 def _folded_bias(query_positions: torch.Tensor, view: KVView, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Additive float32 mask [B, H, G·q, L] (log-weights, -inf where hidden) and which rows see any entry [B, H, G·q]."""
-    visible = view.positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H, q, L]
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-    if view.log_weights is not None:
-        bias = bias + view.log_weights.float()[:, :, None, :]
-    bias = bias.masked_fill(~visible, float("-inf"))
-    b, h, q, length = bias.shape
-    bias = bias[:, :, None].expand(b, h, groups, q, length).reshape(b, h, groups * q, length)
-    seen = visible.any(-1)[:, :, None].expand(b, h, groups, q).reshape(b, h, groups * q)
+    """Additive float32 mask [B, H, G·q, L] (log-weights, -inf where hidden: padding sits after every
+    real position) and which rows see any entry [B, H, G·q]."""
+    b, h, length = view.shape
+    q = query_positions.shape[1]
+    hidden = view.positions[:, :, None, :] > query_positions[:, None, :, None]  # [B, H, q, L]
+    if view.log_weights is None:
+        bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
+    else:
+        bias = view.log_weights.float()[:, :, None, :].masked_fill(hidden, float("-inf"))
+    seen = ~hidden.all(-1)
+    if groups > 1:
+        bias = bias[:, :, None].expand(b, h, groups, q, length).reshape(b, h, groups * q, length)
+        seen = seen[:, :, None].expand(b, h, groups, q).reshape(b, h, groups * q)
     return bias, seen
-
-
-def _attend(folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float):
-    """(out [B, H, M, d], lse [B, H, M] float32) of folded queries under an additive mask."""
-    if folded.device.type == "cpu" and _CPU_FLASH is not None:
-        out, lse = _CPU_FLASH(folded, keys, values, 0.0, False, attn_mask=bias.to(folded.dtype), scale=scaling)
-        return out, lse.float()
-    logits = torch.matmul(folded.float(), keys.float().transpose(-1, -2)) * scaling + bias
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    return torch.matmul(probs, values.float()).to(folded.dtype), lse
 
 
 def read_masked(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float,
                 col_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Output [B, Hq, q, d] (the query's dtype), lse [B, Hq, q] float32 (the summary merged) and, if
-    asked, column sums [B, H, L] float32 (before the summary merge)."""
+    asked, column sums [B, H, L] float32 (before the summary merge).
+
+    With column sums the weights are computed once in float32 (they are what is summed); otherwise
+    the flash kernel attends (on the CPU; float32 math elsewhere)."""
     b, hq, q, d = query.shape
     heads = view.shape[1]
     groups = hq // heads
     folded = query.reshape(b, heads, groups * q, d)
     keys, values = view.keys, view.values
     bias, seen = _folded_bias(query_positions, view, groups)
-    out, lse = _attend(folded, keys.to(query.dtype), values.to(query.dtype), bias, scaling)
-    lse = lse.masked_fill(~seen, float("-inf"))  # the kernel reports 0 for a query that sees nothing
     sums = None
-    if col_sums:  # normalized in float32 by their own log-sum-exp, so each query's weights sum to one
-        logits = torch.matmul(folded.float(), keys.float().transpose(-1, -2)) * scaling + bias
-        norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-        sums = torch.exp(logits - torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))).sum(dim=2) / groups
+    if col_sums or folded.device.type != "cpu" or _CPU_FLASH is None:
+        logits = torch.matmul(folded.float(), keys.float().transpose(-1, -2)).mul_(scaling).add_(bias)
+        lse = torch.logsumexp(logits, dim=-1)
+        probs = torch.exp(logits.sub_(torch.where(seen, lse, 0.0)[..., None]))  # exp(-inf) = 0 where hidden
+        out = torch.matmul(probs, values.float()).to(query.dtype)
+        if col_sums:  # each query's weights sum to one
+            sums = probs.sum(dim=2).div_(groups)
+    else:
+        out, lse = _CPU_FLASH(folded, keys.to(query.dtype), values.to(query.dtype), 0.0, False, attn_mask=bias.to(query.dtype),
+                              scale=scaling)
+        lse = lse.float()
+    lse = lse.masked_fill(~seen, float("-inf"))  # the kernel reports 0 for a query that sees nothing
     if view.summary is not None:
         grouped = group_queries(query, heads)
         out_s, lse_s = view.summary.attend(grouped.float(), scaling)

@@ -41,6 +41,8 @@ def _plain_tensors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if not torch.is_inference_mode_enabled() and not torch.is_grad_enabled():
+            return fn(*args, **kwargs)  # already plain (a store operation calling another)
         with torch.inference_mode(False), torch.no_grad():
             return fn(*args, **kwargs)
 
@@ -187,9 +189,15 @@ class LayerTable:
         self.device = torch.device(device)
         self.slots = torch.full((batch, heads, 0), PAD_SLOT, dtype=torch.int32, device=self.device)
         self.positions = torch.full((batch, heads, 0), PAD_POSITION, dtype=torch.int32, device=self.device)
-        self.lengths = torch.zeros(batch, heads, dtype=torch.long, device="cpu")  # sizes are decided on the CPU
         self.log_weights: torch.Tensor | None = None
         self.channels: dict[str, torch.Tensor] = {}
+        self._set_lengths(torch.zeros(batch, heads, dtype=torch.long, device="cpu"))  # sizes are decided on the CPU
+
+    def _set_lengths(self, lengths: torch.Tensor) -> None:
+        """Entries per head [B, H] (CPU), with the longest and whether every head is that long kept at hand."""
+        self.lengths = lengths
+        self._longest = int(lengths.max()) if lengths.numel() else 0
+        self._uniform = bool((lengths == self._longest).all())
 
     # ----- sizes ---------------------------------------------------------------------------
     @property
@@ -206,7 +214,7 @@ class LayerTable:
 
     @property
     def longest(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
+        return self._longest
 
     @property
     def num_entries(self) -> int:
@@ -235,6 +243,7 @@ class LayerTable:
         return KVView(
             self.positions[:, :, :length].long(),
             self.lengths.clone(),
+            uniform=self._uniform,
             load=lambda index: pool.gather(slots if index is None else slots.gather(-1, index)),
             log_weights=None if self.log_weights is None else self.log_weights[:, :, :length],
             channels={name: c[:, :, :length] for name, c in self.channels.items()},
@@ -256,43 +265,48 @@ class LayerTable:
     def _write(self, pool: SlotPool, keys, values, positions, valid, log_weights=None, channels=None) -> None:
         """Write entries [B, H, q, ...] (where ``valid`` [B, H, q]; None = all) after each head's last entry."""
         b, h, q, d = keys.shape
+        targets = {"log_weights": log_weights, **(channels or {})}
         if valid is None:
             count = b * h * q
             slots = pool.allocate(count)
             pool.write(slots, keys.reshape(count, d), values.reshape(count, d))
-            new = {"slots": slots.view(b, h, q), "positions": positions}
-            added = torch.full((b, h), q, dtype=torch.long)
-        else:
-            count = int(valid.sum())
-            slots = pool.allocate(count)
-            pool.write(slots, keys[valid], values[valid])
-            added = valid.sum(-1).cpu()
-            aligned = torch.arange(q, device=valid.device) < added.to(valid.device)[..., None]  # left-aligned per head
-            new = {"slots": _aligned(slots, aligned), "positions": _aligned(positions[valid], aligned, PAD_POSITION)}
-            if log_weights is not None:
-                log_weights = _aligned(log_weights[valid], aligned)
-            channels = {name: _aligned(c[valid], aligned) for name, c in (channels or {}).items()}
-        self._reserve(self.longest + q)
-        start = self.lengths
-        if bool((start == start.view(-1)[0]).all()) and bool((added == q).all()):  # every head at the same length
-            columns = slice(int(start.view(-1)[0]), int(start.view(-1)[0]) + q)
-            self.slots[:, :, columns] = new["slots"].to(torch.int32)
-            self.positions[:, :, columns] = new["positions"].to(torch.int32)
-            targets = {"log_weights": log_weights, **(channels or {})}
-            for name, array in self._weights().items():
-                source = targets.get(name)
-                array[:, :, columns] = 0.0 if source is None else source.float()
-        else:
-            index = (start.to(self.device)[..., None] + torch.arange(q, device=self.device)).clamp(max=self.capacity - 1)
-            mask = torch.arange(q, device=self.device) < added.to(self.device)[..., None]
-            _scatter_masked(self.slots, index, new["slots"].to(torch.int32), mask)
-            _scatter_masked(self.positions, index, new["positions"].to(torch.int32), mask)
-            targets = {"log_weights": log_weights, **(channels or {})}
-            for name, array in self._weights().items():
-                source = targets.get(name)
-                source = torch.zeros(b, h, q, device=self.device) if source is None else source.float()
-                _scatter_masked(array, index, source, mask)
-        self.lengths = self.lengths + added
+            self._reserve(self._longest + q)
+            if self._uniform:  # every head as long: the new entries go in one block of columns
+                columns = slice(self._longest, self._longest + q)
+                self.slots[:, :, columns] = slots.view(b, h, q)
+                self.positions[:, :, columns] = positions
+                for name, array in self._weights().items():
+                    source = targets.get(name)
+                    array[:, :, columns] = 0.0 if source is None else source.float()
+            else:  # ragged heads: each head's new entries go right after its own last one
+                index = self.lengths.to(self.device)[..., None] + torch.arange(q, device=self.device)
+                self.slots.scatter_(-1, index, slots.view(b, h, q).to(torch.int32))
+                self.positions.scatter_(-1, index, positions.to(torch.int32))
+                for name, array in self._weights().items():
+                    source = targets.get(name)
+                    array.scatter_(-1, index, torch.zeros(b, h, q, device=self.device) if source is None else source.float())
+            self.lengths += q
+            self._longest += q
+            return
+        count = int(valid.sum())  # some entries are padding: left-align the real ones per head
+        slots = pool.allocate(count)
+        pool.write(slots, keys[valid], values[valid])
+        added = valid.sum(-1).cpu()
+        aligned = torch.arange(q, device=valid.device) < added.to(valid.device)[..., None]
+        new = {"slots": _aligned(slots, aligned), "positions": _aligned(positions[valid], aligned, PAD_POSITION)}
+        if log_weights is not None:
+            targets["log_weights"] = _aligned(log_weights[valid], aligned)
+        targets.update({name: _aligned(c[valid], aligned) for name, c in (channels or {}).items()})
+        self._reserve(self._longest + q)
+        index = (self.lengths.to(self.device)[..., None] + torch.arange(q, device=self.device)).clamp(max=self.capacity - 1)
+        mask = torch.arange(q, device=self.device) < added.to(self.device)[..., None]
+        _scatter_masked(self.slots, index, new["slots"].to(torch.int32), mask)
+        _scatter_masked(self.positions, index, new["positions"].to(torch.int32), mask)
+        for name, array in self._weights().items():
+            source = targets.get(name)
+            source = torch.zeros(b, h, q, device=self.device) if source is None else source.float()
+            _scatter_masked(array, index, source, mask)
+        self._set_lengths(self.lengths + added)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         """The float per-entry arrays: log-weights (if any) and channels."""
@@ -356,16 +370,19 @@ class LayerTable:
                     entries.log_weights, entries.channels)
 
     def _rewrite(self, pool: SlotPool, mask, keys, values, length) -> None:
-        """New slots for the entries marked in ``mask`` [B, H, L]; the old slots are let go."""
-        valid = torch.arange(length, device=self.device) < self.lengths.to(self.device)[..., None]
-        mask = mask.to(self.device) & valid
-        count = int(mask.sum())
-        if count == 0:
-            return
+        """New slots for the entries marked in ``mask`` [B, H, L] (keys, values [N, d] in mask order);
+        the old slots are let go."""
+        mask = mask.to(self.device)
         table = self.slots[:, :, :length]
         old = table[mask]
-        new = pool.allocate(count)
-        pool.write(new, keys[mask], values[mask])
+        if old.numel() != keys.shape[0]:
+            raise ValueError(f"a rewrite marks {old.numel()} entries but carries {keys.shape[0]}")
+        if old.numel() == 0:
+            return
+        if bool((old == PAD_SLOT).any()):
+            raise ValueError("a rewrite marks padding: only real entries can be rewritten")
+        new = pool.allocate(old.numel())
+        pool.write(new, keys, values)
         table[mask] = new.to(torch.int32)
         pool.release(old)
 
@@ -383,7 +400,7 @@ class LayerTable:
         self.positions[:, :, :length] = self.positions[:, :, :length].gather(-1, order).masked_fill(tail, PAD_POSITION)
         for array in self._weights().values():
             array[:, :, :length] = array[:, :, :length].gather(-1, order).masked_fill(tail, 0.0)
-        self.lengths = counts.cpu()
+        self._set_lengths(counts.cpu())
         longest = self.longest
         if self.capacity > 64 and 4 * longest < self.capacity:  # give back table memory after a large eviction
             self._resize(max(2 * longest, 16))
@@ -395,7 +412,7 @@ class LayerTable:
         twin = LayerTable.__new__(LayerTable)
         twin.device = self.device
         twin.slots, twin.positions = self.slots.clone(), self.positions.clone()
-        twin.lengths = self.lengths.clone()
+        twin._set_lengths(self.lengths.clone())
         twin.log_weights = None if self.log_weights is None else self.log_weights.clone()
         twin.channels = {name: c.clone() for name, c in self.channels.items()}
         pool.share(self.held_slots())

@@ -49,6 +49,7 @@ class KVView:
         log_weights: float32 [B, H, L] added to the logits (KeepKV's votes), or None.
         channels: per-entry method state, float32 [B, H, L] each (H2O's scores, EMA).
         summary: what left, merged into every read.
+        uniform: True when the caller knows every head holds L entries (skips the check).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class KVView:
         log_weights: torch.Tensor | None = None,
         channels: Mapping[str, torch.Tensor] | None = None,
         summary: Summary | None = None,
+        uniform: bool | None = None,
     ):
         if load is None and (keys is None or values is None):
             raise ValueError("a KVView needs its keys and values or a loader for them")
@@ -72,7 +74,7 @@ class KVView:
         self.summary = summary
         self._load = load
         self._kv = None if keys is None else (keys, values)
-        self._valid: torch.Tensor | None | bool = False  # False = not computed yet
+        self._valid: torch.Tensor | None | bool = None if uniform else False  # False = not computed yet
 
     @classmethod
     def of(cls, keys, values, positions, valid=None, log_weights=None, channels=None, summary=None) -> KVView:
@@ -141,7 +143,8 @@ class KVView:
             load = lambda _: self._load(index)  # noqa: E731
         lengths = torch.full(index.shape[:2], index.shape[-1], dtype=torch.long)
         return KVView(self.positions.gather(-1, index), lengths, load=load, keys=keys, values=values,
-                      log_weights=pick(self.log_weights), summary=self.summary)
+                      log_weights=pick(self.log_weights), channels={name: pick(c) for name, c in self.channels.items()},
+                      summary=self.summary, uniform=True)
 
     def flat(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, H, L, ...] → the real entries [N, ...], head after head."""
@@ -209,12 +212,17 @@ UNCHANGED: Any = _Unchanged()
 
 @dataclass
 class Rewrite:
-    """New keys and values for the entries marked in ``mask`` [B, H, L] (a merge's carriers);
-    ``keys``, ``values`` [B, H, L, d] are read only where ``mask`` is True."""
+    """New keys and values for the (real) entries marked in ``mask`` [B, H, L] (a merge's carriers):
+    ``keys``, ``values`` [N, d] hold them in the mask's order (``tensor[mask]``)."""
 
     mask: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
+
+    def applied(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys``, ``values`` [B, H, L, d] with the rewritten entries in place."""
+        wide = self.mask[..., None].expand_as(keys)
+        return (keys.masked_scatter(wide, self.keys.to(keys.dtype)), values.masked_scatter(wide, self.values.to(values.dtype)))
 
 
 @dataclass
@@ -254,8 +262,7 @@ def edited_entries(view: KVView, edit: Edit) -> Entries:
     and ``keep``), as tensors: a layer rebuilt elsewhere becomes ``Edit(replace=...)``."""
     keys, values = view.keys, view.values
     if edit.rewrite is not None:
-        keys = torch.where(edit.rewrite.mask[..., None], edit.rewrite.keys.to(keys.dtype), keys)
-        values = torch.where(edit.rewrite.mask[..., None], edit.rewrite.values.to(values.dtype), values)
+        keys, values = edit.rewrite.applied(keys, values)
     log_weights = view.log_weights if edit.log_weights is UNCHANGED else edit.log_weights
     valid = view.valid_or_ones() if edit.keep is None else edit.keep & view.valid_or_ones()
     return Entries(keys, values, view.positions, valid, log_weights, {**view.channels, **edit.channels})
