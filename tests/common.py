@@ -58,7 +58,7 @@ class TestLayer:
 
     @property
     def notes(self):
-        return self._state.notes
+        return self.session.notes
 
     @property
     def observations(self):
@@ -72,15 +72,20 @@ class TestLayer:
     def scaling(self) -> float:
         return self._state.scaling
 
+    @property
+    def counts(self):
+        """What the method tallied (merges, drops, fallbacks)."""
+        return self.session.counts
+
     def head_lengths(self) -> torch.Tensor:
-        return self._state.table.lengths
+        return self.session.lengths(self.idx)
 
     @property
     def num_entries(self) -> int:
-        return self._state.table.num_entries
+        return int(self.head_lengths().sum())
 
     def nbytes(self) -> int:
-        return self._state.nbytes(self.session.pool)
+        return self.session.layer_bytes(self.idx)
 
     # ----- acting ------------------------------------------------------------------------------
     def apply(self, edit) -> None:
@@ -92,7 +97,7 @@ class TestLayer:
 
     def append(self, keys, values, positions) -> None:
         state = self._state
-        state.table.append(self.session.pool, keys, values, positions)
+        self.session.table.append(self.session.pool, keys, values, positions, rows=self.session.rows(self.idx))
         state.seen += keys.shape[2]
         state.tokens_seen = state.tokens_seen + keys.shape[2]
 
@@ -102,12 +107,13 @@ class TestLayer:
 
     def clone(self) -> TestLayer:
         """An independent copy sharing the entries (a fork of this layer)."""
-        state, session = self._state, self.session
-        twin_session = Session(session.method, session.pool, num_layers=session.num_layers, num_kv_heads=session.num_kv_heads,
-                               modules=session.modules, rotary=session.rotary, observe=session.observe, compress_on_prefill=False)
-        twin_session.layers[self.idx] = dataclasses.replace(state, table=state.table.share(session.pool), state=dict(state.state),
-                                                            notes=set(state.notes))
-        return TestLayer(twin_session, self.idx, self.num_layers)
+        session = self.session
+        twin = Session(session.method, session.pool, num_layers=session.num_layers, num_kv_heads=session.num_kv_heads,
+                       modules=session.modules, rotary=session.rotary, observe=session.observe, compress_on_prefill=False)
+        twin.table, twin.batch_size = session.table.share(session.pool), session.batch_size
+        twin.notes, twin.counts = set(session.notes), session.counts.copy()
+        twin.layers = [None if layer is None else dataclasses.replace(layer, state=dict(layer.state)) for layer in session.layers]
+        return TestLayer(twin, self.idx, self.num_layers)
 
 
 def random_layer(batch=1, heads=2, group=2, length=64, dim=8, window=8, seed=0, lengths=None, key_scale=1.0,

@@ -6,7 +6,7 @@ import torch
 from common import layers_of, left_padded_batch, tiny_model
 from kvcompress import CompressedCache, available_methods, get_method
 from kvcompress.methods import REGISTRY
-from kvcompress.store.slots import LayerTable, SlotPool
+from kvcompress.store.slots import SlotTable, SlotPool
 
 METHODS = [m for m in available_methods() if REGISTRY[m].needs_budget]  # full and adaptive ones (gvote) take no size
 
@@ -112,7 +112,7 @@ def test_wrong_attention_implementation_is_refused():
 
 def test_table_append_and_retain_keep_ragged_heads_aligned():
     pool = SlotPool(4)
-    table = LayerTable(2, 2)
+    table = SlotTable(2, 2)
     keys = torch.arange(2 * 2 * 5 * 4, dtype=torch.float32).view(2, 2, 5, 4)
     table.append(pool, keys, -keys, torch.arange(5).expand(2, 5))
     keep = torch.zeros(2, 2, 5, dtype=torch.bool)

@@ -9,14 +9,14 @@ from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from kvcompress.read import attend_reference, group_queries, merge_lse, read
-from kvcompress.store.slots import LayerTable, SlotPool
+from kvcompress.store.slots import SlotTable, SlotPool
 from kvcompress.store.view import KVView
 
 
 def _table(keys, values, positions):
     """A pool and a table holding entries [B, H, L, d] at positions [B, L]."""
     pool = SlotPool(keys.shape[-1])
-    table = LayerTable(keys.shape[0], keys.shape[1])
+    table = SlotTable(keys.shape[0], keys.shape[1])
     table.append(pool, keys, values, positions)
     return pool, table
 
@@ -94,7 +94,7 @@ def test_summary_term_merges_through_lse():
     summary = _ExactSummary(k[:, :, :6], v[:, :, :6], torch.arange(6).expand(1, 2, 6))
     qpos = torch.tensor([[16]])
     out_full = read(q, qpos, full.view(full_pool), 0.35).out
-    out_part = read(q, qpos, part.view(part_pool, summary), 0.35).out
+    out_part = read(q, qpos, part.view(part_pool, summary=summary), 0.35).out
     assert torch.allclose(out_part, out_full, atol=1e-6)
 
 
@@ -174,7 +174,7 @@ def _ragged_view(seed, batch, heads, dim, lengths, log_weights, summary, new_tok
     if summary:
         held_out = _ExactSummary(torch.randn(batch, heads, 5, dim, generator=gen), torch.randn(batch, heads, 5, dim, generator=gen),
                                  torch.arange(5).expand(batch, heads, 5))
-    return pool, table.view(pool, held_out)
+    return pool, table.view(pool, summary=held_out)
 
 
 @settings(max_examples=60, deadline=None)

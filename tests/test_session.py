@@ -1,8 +1,9 @@
 """The session: a plan across layers, forks that share a pool, release."""
 
+import pytest
 import torch
 
-from common import layers_of, tiny_model
+from common import layers_of, left_padded_batch, tiny_model
 from kvcompress import CompressedCache, get_method
 
 
@@ -58,3 +59,36 @@ def test_forks_share_the_pool_and_give_their_slots_back():
     fork.release()
     assert pool.num_used == prefill and fork.stats()["entries"] == 0
     assert int(pool.refs.max()) == 1  # the shared prefill holds its slots alone again
+
+
+class _LayerByLayer:
+    """A method whose decoding step runs layer by layer (the session's other path)."""
+
+    def __init__(self, method):
+        self._method = method
+
+    def __getattr__(self, name):
+        return getattr(self._method, name)
+
+    decodes_all_layers = False
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "h2o", "momentkv", "keepkv", "cam", "d2o"])
+def test_acting_on_every_layer_at_once_equals_layer_by_layer(name):
+    """A step's edits for all layers applied after the last read = each layer's edit right after its read."""
+    model = tiny_model(layers=3, seed=4)
+    rows, batch, mask = left_padded_batch([70, 52], seed=3)
+    method = get_method(name, budget=20, **({"window": 8} if name not in ("streamingllm", "h2o") else {}))
+    assert method.decodes_all_layers
+    stacked, layered = CompressedCache(model, method), CompressedCache(model, method)
+    layered.session.method = _LayerByLayer(method)
+    outs = [model.generate(batch, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            for cache in (stacked, layered)]
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(layers_of(stacked), layers_of(layered)):
+        va, vb = a.view(), b.view()
+        assert torch.equal(va.positions, vb.positions) and torch.allclose(va.keys, vb.keys)
+        assert va.channels.keys() == vb.channels.keys()
+        assert all(torch.allclose(va.channels[k], vb.channels[k], atol=1e-6) for k in va.channels)
+    assert stacked.stats()["entries"] == layered.stats()["entries"]
+    assert stacked.stats().get("merge_counts") == layered.stats().get("merge_counts")

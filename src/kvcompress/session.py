@@ -1,15 +1,19 @@
 """One request or batch over the slot store: observe the prefill → plan → apply edits → decode hooks.
 
 A ``Session`` is what the transformers adapter (``hf.CompressedCache``) and the engine share.
-Per layer it holds a slot table (``store.LayerTable``), the summary of what left, the
-method's per-layer state, what the prefill recorded for scoring, and notes.
+It keeps one slot table for all its layers (rows l·B + b: layer l, batch row b) and, per
+layer, the summary of what left, the method's state, what the prefill recorded for scoring
+and the token counts.
 
-* ``prefill(layer, ...)``: the prompt's causal attention (with its log-sum-exp and per-entry
-  attention sums when a method needs them), the entries written to the pool, the
+* ``prefill(layer, ...)``: the prompt's causal attention (with each entry's attention sums,
+  from the same weights, when a method needs them), the entries written to the pool, the
   observations kept. A method that plans layer by layer compresses each layer right away
   (peak memory stays one layer's prompt); one that plans across layers
   (``plans_globally``) is planned once the last layer is observed.
-* ``decode(layer, ...)``: append the new entries in place, read, let the method act.
+* ``decode(layer, ...)``: append the new entries in place, read, let the method act. A
+  method that decodes row by row (``decodes_all_layers``) acts once per step, after the
+  last layer's read, on every layer at once (a layer's edit only matters to its next read,
+  so this is the same as acting after each layer — at a thirtieth of the calls).
 * ``fork(method)``: prefill once, compress many — a copy sharing every slot by reference
   count, compressed with another method; the original is untouched.
 
@@ -18,36 +22,31 @@ Methods never write storage: they return ``Edit``s, which ``apply`` hands to the
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .methods.base import Method, Needs
-from .read import prompt_attention, prompt_column_sums, read
-from .store.slots import LayerTable, SlotPool
+from .read import prompt_attention, read
+from .store.slots import SlotPool, SlotTable
 from .store.view import UNCHANGED, Edit, KVView, LayerContext, LayerInput
 
 
 @dataclass
 class LayerState:
-    """A layer of a session: its entries (``table``), the summary of what left, the method's state,
-    what the prefill recorded, token counts (``seen`` columns incl. padding, ``tokens_seen`` [B] real)."""
+    """A layer of a session beside its entries: the summary of what left, the method's state, what the
+    prefill recorded, token counts (``seen`` columns incl. padding, ``tokens_seen`` [B] real)."""
 
-    table: LayerTable
     scaling: float
     summary: Any = None
     state: dict = field(default_factory=dict)
     observations: dict = field(default_factory=dict)
-    notes: set = field(default_factory=set)
     seen: int = 0
     tokens_seen: torch.Tensor | None = None
-
-    def nbytes(self, pool: SlotPool) -> int:
-        """Entries, metadata, the summary and any method state that knows its size (each object once)."""
-        objects = {id(o): o for o in [self.summary, *self.state.values()] if o is not None and hasattr(o, "nbytes")}
-        return self.table.nbytes(pool) + sum(o.nbytes() for o in objects.values())
 
 
 class Session:
@@ -74,7 +73,16 @@ class Session:
         self.observe = method.needs() if observe is None else observe
         self.compress_on_prefill = compress_on_prefill
         self.layers: list[LayerState | None] = [None] * num_layers
+        self.table: SlotTable | None = None
+        self.batch_size = 0
+        self.notes: set[str] = set()
+        self.counts: Counter = Counter()  # what the method tallied (merges, ...), over every layer
         self.timings = {"compress_s": 0.0}
+        self._pending: dict[int, tuple] = {}  # this step's reads, for a method acting on every layer at once
+
+    def rows(self, layer_idx: int) -> slice:
+        """The table rows of a layer."""
+        return slice(layer_idx * self.batch_size, (layer_idx + 1) * self.batch_size)
 
     # ----- the prefill -----------------------------------------------------------------------
     def prefill(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
@@ -87,15 +95,19 @@ class Session:
         if self.layers[layer_idx] is not None:
             raise RuntimeError(f"layer {layer_idx} was already prefilled; a session holds one prompt (chunked prefill: engine)")
         batch, _, n, _ = query.shape
-        out, lse = prompt_attention(query, key, value, scaling, mask, want_lse=self.observe.attention_sums)
-        if layer_idx == 0:
+        if self.table is None:
+            self.batch_size = batch
+            self.table = SlotTable(self.num_layers * batch, self.num_kv_heads, key.device)
             self._reserve(batch, n)
-        layer = LayerState(LayerTable(batch, self.num_kv_heads, key.device), scaling)
-        layer.table.append(self.pool, key, value, positions, token_valid)
-        layer.seen = n
-        layer.tokens_seen = torch.full((batch,), n, dtype=torch.long) if token_valid is None else token_valid.sum(1).cpu()
-        layer.observations = self._observations(query, key, lse, positions, scaling, token_valid, hidden_stats)
-        self.layers[layer_idx] = layer
+        sums = None
+        if self.observe.attention_sums:
+            out, sums = prompt_attention(query, key, value, scaling, mask, col_sums=True, token_valid=token_valid)
+        else:
+            out, _ = prompt_attention(query, key, value, scaling, mask)
+        self.table.append(self.pool, key, value, positions, token_valid, rows=self.rows(layer_idx))
+        tokens = torch.full((batch,), n, dtype=torch.long) if token_valid is None else token_valid.sum(1).cpu()
+        observations = self._observations(query, positions, sums, token_valid, hidden_stats)
+        self.layers[layer_idx] = LayerState(scaling, seen=n, tokens_seen=tokens, observations=observations)
         if self.compress_on_prefill:
             if not self.method.plans_globally:
                 self._compress([layer_idx])
@@ -109,18 +121,16 @@ class Session:
         if self.pool.fixed:
             return
         layers = self.num_layers if (not self.compress_on_prefill or self.method.plans_globally) else 1
-        needed = batch * self.num_kv_heads * (n + 64) * layers
-        self.pool.reserve(needed)
+        self.pool.reserve(batch * self.num_kv_heads * (n + 64) * layers)
 
-    def _observations(self, query, key, lse, positions, scaling, token_valid, hidden_stats) -> dict:
+    def _observations(self, query, positions, sums, token_valid, hidden_stats) -> dict:
         """The last ``window`` queries, per-entry attention sums (in the table's layout), hidden statistics."""
         observe, obs = self.observe, {}
         w = min(observe.window, query.shape[2])
         if w > 0:
             obs["window_queries"] = query[:, :, -w:]
             obs["window_positions"] = positions[:, -w:]
-        if observe.attention_sums:
-            sums = prompt_column_sums(query, key, lse, scaling, token_valid)
+        if sums is not None:
             obs["attention_sums"] = sums if token_valid is None else _left_aligned(sums, token_valid)
         if observe.hidden_stats and hidden_stats is not None:
             obs["hidden_mean"], obs["hidden_std"] = hidden_stats
@@ -131,11 +141,14 @@ class Session:
         layer = self.layers[layer_idx]
         module = self.modules[layer_idx] if self.modules is not None else None
         return LayerContext(layer_idx, self.num_layers, layer.scaling, layer.tokens_seen, layer.observations, layer.state,
-                            module, self.rotary, query, query_positions, layer.notes)
+                            module, self.rotary, query, query_positions, self.notes)
 
     def view(self, layer_idx: int) -> KVView:
-        layer = self.layers[layer_idx]
-        return layer.table.view(self.pool, layer.summary)
+        return self.table.view(self.pool, self.rows(layer_idx), self.layers[layer_idx].summary)
+
+    def lengths(self, layer_idx: int) -> torch.Tensor:
+        """Entries each head of a layer holds [B, H]."""
+        return self.table.lengths[self.rows(layer_idx)]
 
     def _compress(self, indices) -> None:
         """Compress the given layers (a global plan first, when the method makes one); drop their observations."""
@@ -150,16 +163,22 @@ class Session:
             if edit is not None:
                 self.apply(i, edit)
             self.layers[i].observations = {}
+        if indices[-1] == self.num_layers - 1:
+            self.table.shrink()  # the prompt is compressed: give back the table's room for it
         self.timings["compress_s"] += time.perf_counter() - start
 
-    def apply(self, layer_idx: int, edit: Edit) -> None:
-        """Carry out a method's edit on one layer: the store changes the entries, the session keeps the rest."""
-        layer = self.layers[layer_idx]
-        layer.table.apply(self.pool, edit)
-        if edit.summary is not UNCHANGED:
-            layer.summary = edit.summary
-        if edit.state:
-            layer.state = {**layer.state, **edit.state}  # replaced, never changed in place: forks share the old one
+    def apply(self, layer_idx: int | None, edit: Edit) -> None:
+        """Carry out a method's edit on one layer (None: on every layer at once, the edit in the layout
+        of all rows): the store changes the entries, the session keeps the rest."""
+        self.table.apply(self.pool, edit, None if layer_idx is None else self.rows(layer_idx))
+        self.counts.update(edit.counts)
+        for i in range(self.num_layers) if layer_idx is None else [layer_idx]:
+            part = (lambda value: value) if layer_idx is not None else (lambda value: _rows_of(value, self.rows(i)))
+            layer = self.layers[i]
+            if edit.summary is not UNCHANGED:
+                layer.summary = part(edit.summary)
+            if edit.state:  # replaced, never changed in place: forks share the old one
+                layer.state = {**layer.state, **{key: part(value) for key, value in edit.state.items()}}
 
     # ----- decoding --------------------------------------------------------------------------
     def decode(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
@@ -168,7 +187,9 @@ class Session:
         act: output [B, Hq, q, d]."""
         layer = self.layers[layer_idx]
         q = key.shape[2]
-        layer.table.append(self.pool, key, value, positions)
+        if self._pending and layer_idx <= min(self._pending):
+            self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
+        self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
         layer.seen += q
         layer.tokens_seen = layer.tokens_seen + q
         view = self.view(layer_idx)
@@ -177,19 +198,51 @@ class Session:
             return read(query, positions, view, layer.scaling).out
         context = self.context(layer_idx, query, positions)
         result = read(query, positions, view, layer.scaling, col_sums=method.wants_col_sums(view, context))
+        if method.decodes_all_layers:
+            self._pending[layer_idx] = (query, positions, result.col_sums)
+            if layer_idx == self.num_layers - 1:
+                self._act_on_all_layers()
+            return result.out
         edit = method.decode_step(view, context, result.col_sums)
         if edit is not None:
             self.apply(layer_idx, edit)
         return result.out
 
+    def _act_on_all_layers(self) -> None:
+        """The method's decoding step on every layer at once: one view of all rows, the step's queries
+        and column sums stacked (layers that did not read this step leave theirs as they are)."""
+        pending, self._pending = self._pending, {}
+        if len(pending) < self.num_layers:
+            for i, (query, positions, col_sums) in pending.items():  # a partial step: layer by layer
+                view, context = self.view(i), self.context(i, query, positions)
+                edit = self.method.decode_step(view, context, col_sums)
+                if edit is not None:
+                    self.apply(i, edit)
+            return
+        view = self.table.view(self.pool)
+        length = view.shape[2]
+        queries, positions, col_sums = zip(*(pending[i] for i in range(self.num_layers)))
+        sums = None
+        if all(s is not None for s in col_sums):
+            sums = torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[-1])) for s in col_sums])
+        layers = self.layers
+        context = LayerContext(
+            -1, self.num_layers, layers[0].scaling, torch.cat([layer.tokens_seen for layer in layers]), {},
+            _stack_states([layer.state for layer in layers]), None, self.rotary, torch.cat(queries), torch.cat(positions),
+            self.notes,
+        )
+        edit = self.method.decode_step(view, context, sums)
+        if edit is not None:
+            self.apply(None, edit)
+
     def probe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What ``decode`` would answer for these queries and entries, leaving the session as it is
         (no method acts): output [B, Hq, q, d]."""
         layer = self.layers[layer_idx]
-        table = layer.table.share(self.pool)
+        table = self.table.share(self.pool, self.rows(layer_idx))
         try:
             table.append(self.pool, key, value, positions)
-            return read(query, positions, table.view(self.pool, layer.summary), layer.scaling).out
+            return read(query, positions, table.view(self.pool, summary=layer.summary), layer.scaling).out
         finally:
             table.release(self.pool)
 
@@ -206,40 +259,45 @@ class Session:
             )
         twin = Session(method, self.pool, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, modules=self.modules,
                        rotary=self.rotary, observe=self.observe, compress_on_prefill=True)
-        for i, layer in enumerate(self.layers):
-            twin.layers[i] = LayerState(layer.table.share(self.pool), layer.scaling, layer.summary, dict(layer.state),
-                                        layer.observations, set(layer.notes), layer.seen, layer.tokens_seen)
+        twin.table, twin.batch_size, twin.notes = self.table.share(self.pool), self.batch_size, set(self.notes)
+        twin.layers = [dataclasses.replace(layer, state=dict(layer.state)) for layer in self.layers]
         twin._compress(range(self.num_layers))
         return twin
 
     def release(self) -> None:
         """Give every slot back to the pool (the session holds nothing afterwards). A session on a shared
         pool (a fork, an engine request) should be released when done; a private pool goes with its session."""
-        for i, layer in enumerate(self.layers):
-            if layer is not None:
-                layer.table.release(self.pool)
-                self.layers[i] = None
+        if self.table is not None:
+            self.table.release(self.pool)
+        self.layers = [None] * self.num_layers
+        self._pending = {}
 
     # ----- accounting ----------------------------------------------------------------------------
-    def _present(self) -> list[LayerState]:
-        return [layer for layer in self.layers if layer is not None]
+    def _present(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer is not None]
+
+    def layer_bytes(self, layer_idx: int) -> int:
+        """Bytes held for a layer: entries, metadata, the summary and any method state that knows its size."""
+        layer = self.layers[layer_idx]
+        objects = {id(o): o for o in [layer.summary, *layer.state.values()] if o is not None and hasattr(o, "nbytes")}
+        return self.table.nbytes(self.pool, self.rows(layer_idx)) + sum(o.nbytes() for o in objects.values())
 
     def kv_bytes(self) -> int:
         """Bytes of KV state really held over all layers."""
-        return sum(layer.nbytes(self.pool) for layer in self._present())
+        return sum(self.layer_bytes(i) for i in self._present())
 
     def kv_bytes_full(self) -> int:
         """Bytes a plain KV cache would hold for the same tokens (keys + values)."""
         per_token = 2 * self.num_kv_heads * self.pool.head_dim * torch.empty(0, dtype=self.pool.dtype).element_size()
-        return sum(int(layer.tokens_seen.sum()) * per_token for layer in self._present())
+        return sum(int(self.layers[i].tokens_seen.sum()) * per_token for i in self._present())
 
     def stats(self) -> dict[str, Any]:
         """kr (bytes held ÷ full), cr (entries attended per step ÷ full), sizes, notes and the method's own statistics."""
-        layers = self._present()
+        present = self._present()
         full, held = self.kv_bytes_full(), self.kv_bytes()
-        entries = sum(layer.table.num_entries for layer in layers)
-        full_entries = sum(int(layer.tokens_seen.sum()) * self.num_kv_heads for layer in layers)
-        heads = sum(layer.table.lengths.numel() for layer in layers)
+        entries = sum(self.table.num_entries(self.rows(i)) for i in present)
+        full_entries = sum(int(self.layers[i].tokens_seen.sum()) * self.num_kv_heads for i in present)
+        heads = len(present) * self.batch_size * self.num_kv_heads
         return {
             "kr": held / full if full else 1.0,
             "cr": entries / full_entries if full_entries else 1.0,
@@ -248,9 +306,33 @@ class Session:
             "entries": entries,
             "entries_full": full_entries,
             "entries_per_head": entries / heads if heads else 0.0,  # mean realized budget per (layer, row, KV head)
-            "notes": sorted(set().union(*(layer.notes for layer in layers))),
-            **self.method.stats([layer.state for layer in layers]),
+            "notes": sorted(self.notes),
+            **self.method.stats([self.layers[i].state for i in present], dict(self.counts)),
         }
+
+
+def _stack_states(states: list[dict]) -> dict:
+    """Per-layer states as one over every layer's rows: tensors and per-row tuples concatenated,
+    objects with ``stack`` stacked (``_rows_of`` takes a layer's part again)."""
+    stacked = {}
+    for key, first in states[0].items():
+        if not all(key in state for state in states):
+            continue
+        values = [state[key] for state in states]
+        if isinstance(first, torch.Tensor):
+            stacked[key] = torch.cat(values)
+        elif isinstance(first, tuple):
+            stacked[key] = sum(values, ())
+        elif hasattr(first, "stack"):
+            stacked[key] = type(first).stack(values)
+    return stacked
+
+
+def _rows_of(value, rows: slice):
+    """A layer's rows of a value stacked over every layer (tensors, per-row tuples, objects with ``rows``)."""
+    if value is None or isinstance(value, torch.Tensor | tuple):
+        return None if value is None else value[rows]
+    return value.rows(rows)
 
 
 def _left_aligned(x: torch.Tensor, token_valid: torch.Tensor) -> torch.Tensor:

@@ -17,15 +17,21 @@ def reference_attention_sums(keys, queries, scaling, group):
     return probs.sum(dim=3).mean(dim=2)
 
 
-def _sums(layer, queries, chunk=128):
+def _sums(layer, queries, chunk=64, key_block=512):
+    """The sums the prefill records, with its tiling (``chunk`` queries × ``key_block`` keys)."""
     keys, values = layer.view().keys, layer.view().values
-    _, lse = prompt_attention(queries, keys, values, layer.scaling, want_lse=True)
-    return prompt_column_sums(queries, keys, lse, layer.scaling, chunk=chunk)
+    if (chunk, key_block) == (64, 512):
+        return prompt_attention(queries, keys, values, layer.scaling, col_sums=True)[1]
+    b, hq, n, _ = queries.shape
+    logits = torch.einsum("bhqd,bhkd->bhqk", queries.double(), keys.repeat_interleave(hq // keys.shape[1], 1).double())
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    lse = torch.logsumexp((logits * layer.scaling).masked_fill(~causal, float("-inf")), -1).float()
+    return prompt_column_sums(queries, keys, lse, layer.scaling, chunk=chunk, key_block=key_block)
 
 
 def test_attention_sums_match_reference():
     layer, context, queries, positions, _ = random_layer(batch=2, heads=2, group=2, length=40, seed=7)
-    sums = _sums(layer, queries, chunk=7)
+    sums = _sums(layer, queries, chunk=7, key_block=5)
     ref = reference_attention_sums(layer.view().keys, queries, context.scaling, 2)
     assert torch.allclose(sums.double(), ref, atol=1e-4)
 

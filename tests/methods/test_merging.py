@@ -5,7 +5,7 @@ import torch
 
 from common import layers_of, left_padded_batch, random_layer, tiny_model
 from kvcompress import CompressedCache, get_method
-from kvcompress.methods.merging import MergePlan, group_combine, nearest_carriers, relative_error
+from kvcompress.methods.merging import MergePlan, group_mean, group_weights, nearest_carriers, relative_error
 from kvcompress.read import group_queries
 
 
@@ -33,14 +33,14 @@ def test_both_sides_of_the_argument(name, options):
     if name == "keepkv":
         assert error <= 1e-4
         if options:  # the paper's rule: exact without any fallback
-            assert layer.state.get("zip_fallbacks", 0) == 0
+            assert layer.counts.get("zip_fallbacks", 0) == 0
         assert torch.allclose(lse_after, lse_before, atol=1e-4)
     else:
         assert layer.view().log_weights is None  # no votes
         assert bool((lse_after < lse_before).all())  # Σ_j exp(logit_j) shrank in every head
         assert error > 1e-3
         if options:
-            assert layer.state["dropped"] == 0  # pure merging: the mass went in the convex mix itself
+            assert layer.counts["dropped"] == 0  # pure merging: the mass went in the convex mix itself
 
 
 def test_cam_keeps_carrier_keys_and_d2o_mixes_them():
@@ -61,7 +61,7 @@ def test_d2o_moving_threshold_drops_the_least_similar_half_or_so():
     layer.compress(get_method("d2o", budget=16, window=8))
     threshold = layer.state["d2o_threshold"]
     assert len(threshold) == 2 and all(-1.0 < t < 1.0 for t in threshold)
-    assert 0 < layer.state["dropped"] < 2 * 2 * 64 and layer.state["merged"] + layer.state["dropped"] == 2 * 2 * 64
+    assert 0 < layer.counts["dropped"] < 2 * 2 * 64 and layer.counts["merged"] + layer.counts["dropped"] == 2 * 2 * 64
 
 
 def test_nearest_carriers_matches_a_loop():
@@ -83,18 +83,20 @@ def test_nearest_carriers_matches_a_loop():
                 assert float(similarity[b, h, i]) == pytest.approx(float(sims.max()), abs=1e-6)
 
 
-def test_group_combine_is_a_shifted_weighted_mean():
+def test_group_means_are_shifted_weighted_means_at_the_carriers():
     keep = torch.tensor([[[True, True, False, False, False]]])
     merged = torch.tensor([[[False, False, True, True, False]]])  # entry 4 is dropped
     plan = MergePlan(keep=keep, merged=merged, dropped=~keep & ~merged, target=torch.tensor([[[0, 1, 0, 0, 4]]]),
                      similarity=torch.zeros(1, 1, 5))
     x = torch.randn(1, 1, 5, 3)
     log_w = torch.tensor([[[900.0, -3.0, 901.0, 899.0, 5.0]]])  # e^900 overflows even float64
-    mean, log_total = group_combine(x, log_w, plan)
+    weights = group_weights(log_w, plan)
+    mean = group_mean(x, weights, plan)
     w = torch.softmax(torch.tensor([900.0, 901.0, 899.0], dtype=torch.float64), 0)
-    assert torch.allclose(mean[0, 0, 0], (w[:, None] * x[0, 0, [0, 2, 3]].double()).sum(0))
-    assert torch.allclose(mean[0, 0, 1], x[0, 0, 1].double())
-    assert float(log_total[0, 0, 0]) == pytest.approx(float(torch.logsumexp(torch.tensor([900.0, 901.0, 899.0], dtype=torch.float64), 0)))
+    assert plan.carriers[0, 0].tolist() == [True, False, False, False, False] and mean.shape == (1, 3)
+    assert torch.allclose(mean[0], (w[:, None] * x[0, 0, [0, 2, 3]].double()).sum(0))
+    assert float(weights.log_total[0, 0, 0]) == pytest.approx(float(torch.logsumexp(torch.tensor([900.0, 901.0, 899.0], dtype=torch.float64), 0)))
+    assert float(weights.log_total[0, 0, 1]) == pytest.approx(-3.0)  # a kept entry alone is its own group
 
 
 @pytest.mark.parametrize("name", ["keepkv", "cam", "d2o"])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompress.store.slots import LENGTH_BYTES, LayerTable, PoolExhausted, SlotPool
+from kvcompress.store.slots import LENGTH_BYTES, SlotTable, PoolExhausted, SlotPool
 from kvcompress.store.view import Edit, Rewrite
 
 DIM = 4
@@ -20,7 +20,7 @@ class Model:
         self.heads = [[[] for _ in range(heads)] for _ in range(batch)]
 
 
-def _check(pool: SlotPool, tables: dict[int, LayerTable], models: dict[int, Model]) -> None:
+def _check(pool: SlotPool, tables: dict[int, SlotTable], models: dict[int, Model]) -> None:
     holders = Counter()
     for table in tables.values():
         holders.update(table.held_slots().tolist())
@@ -44,7 +44,7 @@ def _check(pool: SlotPool, tables: dict[int, LayerTable], models: dict[int, Mode
                 assert view.positions[b, h, :n].tolist() == [p for p, _ in entries]
                 assert view.keys[b, h, :n, 0].tolist() == [float(k) for _, k in entries]
                 assert torch.equal(view.values[b, h, :n, 0], -view.keys[b, h, :n, 0])
-        expected = table.num_entries * (pool.bytes_per_slot + 4 + 4) + table.lengths.numel() * LENGTH_BYTES
+        expected = table.num_entries() * (pool.bytes_per_slot + 4 + 4) + table.lengths.numel() * LENGTH_BYTES
         assert table.nbytes(pool) == expected
 
 
@@ -55,52 +55,62 @@ OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", 
 @settings(max_examples=80, deadline=None)
 @given(ops=OPS, batch=st.integers(1, 2), heads=st.integers(1, 3))
 def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, batch, heads):
+    """Two layers of rows (as a session keeps them); each operation acts on one layer's rows or on all."""
     pool = SlotPool(DIM, initial=8)  # small: the pool grows along the way
-    tables, models = {0: LayerTable(batch, heads)}, {0: Model(batch, heads)}
+    rows_total = 2 * batch
+    tables, models = {0: SlotTable(rows_total, heads)}, {0: Model(rows_total, heads)}
     counter = {"position": 0, "value": 1.0, "next": 1}
     for op, seed in ops:
         gen = torch.Generator().manual_seed(seed)
         key = sorted(tables)[seed % len(tables)] if tables else None
+        rows = [slice(0, batch), slice(batch, rows_total), None][seed % 3]
+        picked = range(rows_total)[rows] if rows is not None else range(rows_total)
+        r = len(picked)
         if op == "append" and key is not None:
             q = 1 + seed % 3
-            values = counter["value"] + torch.arange(batch * heads * q, dtype=torch.float32).view(batch, heads, q)
-            counter["value"] += batch * heads * q
-            positions = torch.arange(counter["position"], counter["position"] + q).expand(batch, q)
+            values = counter["value"] + torch.arange(r * heads * q, dtype=torch.float32).view(r, heads, q)
+            counter["value"] += r * heads * q
+            positions = torch.arange(counter["position"], counter["position"] + q).expand(r, q)
             counter["position"] += q
-            keys = values[..., None].expand(batch, heads, q, DIM).clone()
-            tables[key].append(pool, keys, -keys, positions)
-            for b in range(batch):
+            keys = values[..., None].expand(r, heads, q, DIM).clone()
+            tables[key].append(pool, keys, -keys, positions, rows=rows)
+            for i, row in enumerate(picked):
                 for h in range(heads):
-                    models[key].heads[b][h] += [(int(positions[b, j]), float(values[b, h, j])) for j in range(q)]
+                    models[key].heads[row][h] += [(int(positions[i, j]), float(values[i, h, j])) for j in range(q)]
         elif op == "evict" and key is not None:
-            length = tables[key].longest
-            keep = torch.rand(batch, heads, length, generator=gen) < 0.6
-            tables[key].apply(pool, Edit(keep=keep))
+            length, _ = tables[key].span(rows)
+            keep = torch.rand(r, heads, length, generator=gen) < 0.6
+            tables[key].apply(pool, Edit(keep=keep), rows)
             model = models[key]
-            model.heads = [[[e for j, e in enumerate(entries) if bool(keep[b, h, j])] for h, entries in enumerate(row)]
-                           for b, row in enumerate(model.heads)]
+            for i, row in enumerate(picked):
+                model.heads[row] = [[e for j, e in enumerate(entries) if bool(keep[i, h, j])] for h, entries in enumerate(model.heads[row])]
         elif op == "fork" and key is not None:
             new = counter["next"]
             counter["next"] += 1
             tables[new] = tables[key].share(pool)
-            models[new] = Model(batch, heads)
+            models[new] = Model(rows_total, heads)
             models[new].heads = [[list(entries) for entries in row] for row in models[key].heads]
         elif op == "release" and key is not None:
-            tables.pop(key).release(pool)
-            models.pop(key)
+            if rows is None:
+                tables.pop(key).release(pool)
+                models.pop(key)
+            else:
+                tables[key].release(pool, rows)
+                for row in picked:
+                    models[key].heads[row] = [[] for _ in range(heads)]
         elif op == "rewrite" and key is not None:
-            length = tables[key].longest
-            mask = torch.rand(batch, heads, length, generator=gen) < 0.3
-            new_values = torch.full((batch, heads, length), 1000.0 + counter["value"])
+            length, _ = tables[key].span(rows)
+            mask = torch.rand(r, heads, length, generator=gen) < 0.3
+            mask &= torch.arange(length) < tables[key].lengths[rows if rows is not None else slice(None)][..., None]  # real entries only
+            new_values = torch.full((r, heads, length), 1000.0 + counter["value"])
             counter["value"] += 1
-            keys = new_values[..., None].expand(batch, heads, length, DIM)
-            mask &= torch.arange(length) < tables[key].lengths[..., None]  # only real entries can be rewritten
-            tables[key].apply(pool, Edit(rewrite=Rewrite(mask, keys[mask], -keys[mask])))
-            for b, row in enumerate(models[key].heads):
-                for h, entries in enumerate(row):
+            keys = new_values[..., None].expand(r, heads, length, DIM)
+            tables[key].apply(pool, Edit(rewrite=Rewrite(mask, keys[mask], -keys[mask])), rows)
+            for i, row in enumerate(picked):
+                for h, entries in enumerate(models[key].heads[row]):
                     for j, (position, _) in enumerate(entries):
-                        if bool(mask[b, h, j]):
-                            entries[j] = (position, float(new_values[b, h, j]))
+                        if bool(mask[i, h, j]):
+                            entries[j] = (position, float(new_values[i, h, j]))
         _check(pool, tables, models)
     for table in tables.values():
         table.release(pool)
@@ -109,7 +119,7 @@ def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, 
 
 def test_a_rewrite_never_shows_in_a_fork():
     pool = SlotPool(DIM)
-    table = LayerTable(1, 1)
+    table = SlotTable(1, 1)
     keys = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1).expand(1, 1, 6, DIM)
     table.append(pool, keys, keys, torch.arange(6).expand(1, 6))
     twin = table.share(pool)
@@ -122,9 +132,10 @@ def test_a_rewrite_never_shows_in_a_fork():
 
 def test_append_writes_only_the_new_entries():
     pool = SlotPool(DIM)
-    table = LayerTable(1, 2)
+    table = SlotTable(1, 2)
     table.append(pool, torch.zeros(1, 2, 10, DIM), torch.zeros(1, 2, 10, DIM), torch.arange(10).expand(1, 10))
     before_slots = table.slots.clone()
+    assert table.capacity >= 11
     before_arrays = pool.arrays["keys"].clone()
     table.append(pool, torch.ones(1, 2, 1, DIM), torch.ones(1, 2, 1, DIM), torch.tensor([[10]]))
     assert torch.equal(table.slots[:, :, :10], before_slots[:, :, :10])  # the old entries stay where they were
@@ -134,7 +145,7 @@ def test_append_writes_only_the_new_entries():
 
 def test_fixed_pool_refuses_without_touching_anything():
     pool = SlotPool(DIM, capacity=10)
-    table = LayerTable(1, 2)
+    table = SlotTable(1, 2)
     table.append(pool, torch.zeros(1, 2, 4, DIM), torch.zeros(1, 2, 4, DIM), torch.arange(4).expand(1, 4))
     with pytest.raises(PoolExhausted, match="2 free slots, 4 are needed"):
         table.append(pool, torch.zeros(1, 2, 2, DIM), torch.zeros(1, 2, 2, DIM), torch.arange(4, 6).expand(1, 2))

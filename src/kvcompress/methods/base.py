@@ -11,8 +11,10 @@ The contract (all hooks optional):
   ``sizes`` [B, H], when given, is how many entries each head keeps beyond the method's
   protected ones (a global plan's or another method's choice: GVote's ``select_with``);
 * ``wants_col_sums`` / ``decode_step(view, context, col_sums)``: while decoding, after
-  each step's read (H2O and KeepKV accumulate attention, evictions keep the budget);
-* ``stats(states)``: method-specific statistics from the layers' states.
+  each step's read (H2O and KeepKV accumulate attention, evictions keep the budget); a
+  method whose step works row by row (``decodes_all_layers``) gets every layer at once;
+* ``stats(states, counts)``: method-specific statistics from the layers' states and the
+  tallies of its edits.
 
 Score-based methods only implement ``score`` (and, if they want, ``protected``): turning
 scores into a per-head keep set under a budget lives once, here, as small functions the
@@ -130,8 +132,15 @@ class Method:
         """After each decoding step's read (``acts_while_decoding`` methods): the view includes the new entries."""
         return None
 
-    def stats(self, states: Sequence[Mapping[str, Any]]) -> dict:
-        """Method-specific statistics from every layer's state (merge counts, bytes kept elsewhere...)."""
+    @property
+    def decodes_all_layers(self) -> bool:
+        """True when ``decode_step`` works row by row (its state has a row per batch row), so the session
+        may call it once per step on every layer at once instead of once per layer."""
+        return False
+
+    def stats(self, states: Sequence[Mapping[str, Any]], counts: Mapping[str, int]) -> dict:
+        """Method-specific statistics from every layer's state (errors, bytes kept elsewhere) and the
+        tallies of its edits (merges...)."""
         return {}
 
     # ----- budgets --------------------------------------------------------------------------
@@ -349,6 +358,10 @@ class ScoreMethod(Method):
     @property
     def acts_while_decoding(self) -> bool:  # type: ignore[override]
         return self.evict_while_decoding
+
+    @property
+    def decodes_all_layers(self) -> bool:
+        return True  # eviction by score: row by row, nothing but channels carried
 
     def score(self, view: KVView, context: LayerContext) -> torch.Tensor:
         """Importance of each entry, [B, H, L] float32."""

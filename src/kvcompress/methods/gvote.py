@@ -206,8 +206,8 @@ class GVote(Method):
             raise ValueError(f"select_with={self.select_with!r} cannot take GVote's sizes; use one of {', '.join(usable)}")
         return get_method(cls.name, ratio=1.0)  # the size placeholder is never used: GVote's sizes replace it
 
-    def stats(self, states) -> dict:
-        return {} if self.selector is None else self.selector.stats(states)  # its merge counts and errors
+    def stats(self, states, counts) -> dict:
+        return {} if self.selector is None else self.selector.stats(states, counts)  # its merge counts and errors
 
     def needs(self) -> Needs:
         own = Needs(window=1, hidden_stats=True)

@@ -37,7 +37,7 @@ produced keys of norm 3600 (real keys: ≤ 27): exact for q̄, a disaster for ev
 (diagnose at 1536 tokens, budget 128: relative error 1.06 against CaM's 0.22). So by default
 a group whose factor leaves [1/1.25, 1.25] falls back to the ``votes`` rule — the convex key,
 with the sagged mass moved into the vote (also exact for q̄) — counted in
-``state["zip_fallbacks"]`` and noted in the stats. ``max_key_scale=inf`` is the paper's rule;
+``stats()['merge_counts']['zip_fallbacks']`` and noted in the stats. ``max_key_scale=inf`` is the paper's rule;
 ``key_rule="votes"`` and ``"shift"`` (minimal key change along q̄) are the alternatives
 measured in docs/results.md.
 
@@ -130,8 +130,12 @@ class KeepKV(MergingMethod):
         return zip_merge(view.keys, view.values, log_votes_of(view), ref.logits(view.keys, scaling), plan,
                          key_rule=self.key_rule, max_key_scale=self.max_key_scale, query=ref.query, scaling=scaling)
 
-    def stats(self, states) -> dict:
-        out = super().stats(states)
+    @property
+    def decodes_all_layers(self) -> bool:
+        return not self.refresh_every  # the refresh keeps each layer's own copy of its tokens
+
+    def stats(self, states, counts) -> dict:
+        out = super().stats(states, counts)
         offloaded = sum(int(state.get("external_kv_bytes", 0)) for state in states)
         if offloaded:  # the CPU copy for refresh: reported, not in kr
             out["offloaded_bytes"] = offloaded

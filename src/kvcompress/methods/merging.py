@@ -13,10 +13,11 @@ The pieces are plain tensor functions on the layer's padded view [B, H, L, ...]:
 
 * ``nearest_carriers``: per candidate, the allowed carrier with the highest key cosine
   similarity (candidates × carriers only, in chunks, never L × L at once);
-* ``group_combine``: per carrier, the weighted mean of its group and the log of the total
-  weight, from per-entry log-weights, with a per-group shift so nothing overflows
-  (float64): every merge rule is built from it;
-* ``zip_merge`` (KeepKV), ``cam_merge``, ``d2o_merge``: the rules;
+* ``group_weights`` and ``group_mean``: per carrier, the weighted mean of its group and the log
+  of the total weight, from per-entry log-weights, with a per-group shift so nothing
+  overflows (float64): every merge rule is built from them;
+* ``zip_merge`` (KeepKV), ``cam_merge``, ``d2o_merge``: the rules, computed at the carriers only
+  (their results are the carriers' new entries, in ``tensor[plan.carriers]`` order);
 * ``MergingMethod``: the skeleton above, for prefill and decoding (EMA importance with
   bias correction, decoding-time merging when a head exceeds its budget) and the
   relative error of the reference query right after compression (``merge_error``).
@@ -201,26 +202,20 @@ def group_weights(log_weight: torch.Tensor, plan: MergePlan) -> GroupWeights:
 
 
 def group_mean(x: torch.Tensor, weights: GroupWeights, plan: MergePlan) -> torch.Tensor:
-    """Σ w_i x_i / Σ w_i of each group, at its carrier: x [B, H, L, ...] → float64 [B, H, L, ...]."""
-    flat_x = x.double().reshape(*x.shape[:3], -1)
-    index = plan.target[..., None].expand_as(flat_x)
-    summed = torch.zeros_like(flat_x).scatter_add(2, index, weights.weight[..., None] * flat_x)
-    return (summed / weights.total.clamp(min=1e-300)[..., None]).reshape(x.shape)
-
-
-def group_combine(x: torch.Tensor, log_weight: torch.Tensor, plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group (a carrier and its candidates): Σ w_i x_i / Σ w_i and log Σ w_i, w_i = exp(log_weight_i).
-
-    x: [B, H, L, ...]; log_weight: [B, H, L]. Results sit at the group's carrier index
-    ([B, H, L, ...] float64 and [B, H, L] float64).
-    """
-    weights = group_weights(log_weight, plan)
-    return group_mean(x, weights, plan), weights.log_total
+    """Σ w_i x_i / Σ w_i of each group, for its carrier: x [B, H, L, ...] → float64 [N, ...], the
+    carriers in ``tensor[plan.carriers]`` order."""
+    b, h, length = plan.target.shape
+    rows = (weights.weight[..., None] * x.double().reshape(b, h, length, -1)).reshape(b * h * length, -1)
+    heads = torch.arange(b * h, device=rows.device).view(b, h, 1) * length
+    summed = torch.zeros_like(rows).index_add_(0, (plan.target + heads).reshape(-1), rows)  # each row into its carrier's
+    carriers = plan.carriers.reshape(-1)
+    return (summed[carriers] / weights.total.reshape(-1)[carriers].clamp(min=1e-300)[:, None]).reshape(-1, *x.shape[3:])
 
 
 @dataclass
 class Merged:
-    """A merge rule's result on the padded view: new keys and values at the carriers, votes (log p) or None."""
+    """A merge rule's result: the carriers' new keys and values [N, d] (``tensor[plan.carriers]``
+    order), their votes (log p, [N]) or None, and how many groups fell back to another key rule."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -260,48 +255,42 @@ def zip_merge(
     """
     if key_rule not in KEY_RULES:
         raise ValueError(f"unknown key_rule {key_rule!r}: use one of {', '.join(KEY_RULES)}")
+    carriers = plan.carriers
     log_w = log_votes.double() + logits
     weights = group_weights(log_w, plan)
-    log_total = weights.log_total
+    log_total = weights.log_total[carriers]
     d = keys.shape[-1]
     parts = [keys.double(), values.double(), logits[..., None], logits.abs()[..., None]]  # one pass over every group
     means = group_mean(torch.cat(parts, dim=-1), weights, plan)
-    k_mean, v_mean, lam_bar, lam_abs = means[..., :d], means[..., d : 2 * d], means[..., 2 * d], means[..., 2 * d + 1]
-    log_p = group_weights(log_votes, plan).log_total  # log Σ p
+    k_mean, v_mean, lam_bar, lam_abs = means[:, :d], means[:, d : 2 * d], means[:, 2 * d], means[:, 2 * d + 1]
+    log_p = group_weights(log_votes, plan).log_total[carriers]  # log Σ p
     target = log_total - log_p  # T: the logit the merged entry needs with Σ p votes
-    carriers = plan.carriers
     sag_votes = log_total - lam_bar  # log p_r of the ``votes`` rule
-    fallback = torch.zeros_like(carriers)
+    fallbacks = 0
     if key_rule == "zip":
         scale = target / lam_bar
         if math.isinf(max_key_scale):  # the paper's guard only: Σ w λ near 0 against Σ w |λ|
             in_range = torch.isfinite(scale) & (lam_bar.abs() > PAPER_EPS * lam_abs)
         else:
             in_range = torch.isfinite(scale) & (scale >= 1.0 / max_key_scale) & (scale <= max_key_scale)
-        fallback = carriers & ~in_range
-        k_new = torch.where(fallback[..., None], k_mean, k_mean * torch.where(in_range, scale, 1.0)[..., None])
-        log_p_new = torch.where(fallback, sag_votes, log_p)
+        k_new = torch.where(in_range[:, None], k_mean * torch.where(in_range, scale, 1.0)[:, None], k_mean)
+        log_p_new = torch.where(in_range, log_p, sag_votes)
+        fallbacks = int((~in_range).sum())
     elif key_rule == "votes":
         k_new, log_p_new = k_mean, sag_votes
     else:
         if query is None:
             raise ValueError("key_rule='shift' needs the reference query")
-        q = query.double()[:, :, None, :]
+        q = query.double()[:, :, None, :].expand(*carriers.shape, -1)[carriers]
         step = (target - lam_bar) / scaling / (q * q).sum(-1).clamp(min=1e-30)
-        k_new, log_p_new = k_mean + step[..., None] * q, log_p
-    return Merged(
-        keys=torch.where(carriers[..., None], k_new.to(keys.dtype), keys),
-        values=torch.where(carriers[..., None], v_mean.to(values.dtype), values),
-        log_votes=torch.where(carriers, log_p_new.float(), log_votes.float()),
-        fallbacks=int(fallback.sum()),
-    )
+        k_new, log_p_new = k_mean + step[:, None] * q, log_p
+    return Merged(keys=k_new.to(keys.dtype), values=v_mean.to(values.dtype), log_votes=log_p_new.float(), fallbacks=fallbacks)
 
 
 def cam_merge(keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, plan: MergePlan) -> Merged:
     """CaM-style: the carrier keeps its key; values are averaged with the reference attention e^{λ_i}."""
-    v_mean, _ = group_combine(values, logits, plan)
-    carriers = plan.carriers
-    return Merged(keys=keys, values=torch.where(carriers[..., None], v_mean.to(values.dtype), values))
+    v_mean = group_mean(values, group_weights(logits, plan), plan)
+    return Merged(keys=keys[plan.carriers], values=v_mean.to(values.dtype))
 
 
 def d2o_merge(keys: torch.Tensor, values: torch.Tensor, plan: MergePlan) -> Merged:
@@ -309,37 +298,35 @@ def d2o_merge(keys: torch.Tensor, values: torch.Tensor, plan: MergePlan) -> Merg
     to the carrier (1 for the carrier itself): w_e = e^{u_e} / (Σ e^{u} + e), w_c = e / (Σ e^{u} + e)."""
     u = torch.where(plan.merged, plan.similarity.double(), torch.ones_like(plan.similarity, dtype=torch.float64))
     u = torch.where(torch.isfinite(u), u, torch.ones_like(u))
-    k_mean, _ = group_combine(keys, u, plan)
-    v_mean, _ = group_combine(values, u, plan)
-    carriers = plan.carriers[..., None]
-    return Merged(keys=torch.where(carriers, k_mean.to(keys.dtype), keys), values=torch.where(carriers, v_mean.to(values.dtype), values))
+    d = keys.shape[-1]
+    means = group_mean(torch.cat([keys, values], dim=-1), group_weights(u, plan), plan)
+    return Merged(keys=means[:, :d].to(keys.dtype), values=means[:, d:].to(values.dtype))
 
 
 # ----- EMA importance ----------------------------------------------------------------------------
-def ema_update(s: torch.Tensor, norm: torch.Tensor, received: torch.Tensor, visible: torch.Tensor, decay: float):
-    """One EMA step S ← αS + (1 − α)a on visible entries, and its bias-correction weight alike."""
-    s = torch.where(visible, decay * s + (1 - decay) * received, s)
-    norm = torch.where(visible, decay * norm + (1 - decay), norm)
-    return s, norm
-
-
 def ema_over_queries(
     s: torch.Tensor, norm: torch.Tensor, probs: torch.Tensor, query_positions: torch.Tensor,
     key_positions: torch.Tensor, key_valid: torch.Tensor | None, decay: float, query_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold each query's attention (probs [B, H, q, L], mean over the group) into the EMA, in order.
+    """Fold each query's attention (probs [B, H, q, L], mean over the group) into the EMA, in order:
+    S ← αS + (1 − α)a for every query that sees an entry, and the bias-correction weight alike.
 
     An entry is updated only by queries that see it (causality by position, real queries), so
-    every entry's bias correction 1 − α^{n_i} counts its own updates.
+    every entry's bias correction 1 − α^{n_i} counts its own updates. The q steps are summed in
+    closed form: queries come in position order and padding queries before real ones (a
+    left-padded row), so once a query sees an entry every later one does, and query j's term is
+    (1 − α)·α^{q−1−j}·a_j while the old S decays by α^{n_i}.
     """
-    for j in range(probs.shape[2]):
-        visible = key_positions <= query_positions[:, j, None, None]
-        if key_valid is not None:
-            visible = visible & key_valid
-        if query_valid is not None:
-            visible = visible & query_valid[:, j, None, None]
-        s, norm = ema_update(s, norm, probs[:, :, j], visible, decay)
-    return s, norm
+    visible = key_positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H, q, L]
+    if key_valid is not None:
+        visible = visible & key_valid[:, :, None, :]
+    if query_valid is not None:
+        visible = visible & query_valid.to(visible.device)[:, None, :, None]
+    q = probs.shape[2]
+    weight = (1 - decay) * decay ** torch.arange(q - 1, -1, -1, dtype=torch.float32, device=probs.device)  # [q]
+    kept = torch.pow(decay, visible.sum(2, dtype=torch.float32))  # α^{n_i}
+    fresh = (probs.float() * visible).transpose(2, 3) @ weight  # Σ_j (1 − α)·α^{q−1−j}·a_ij over visible j
+    return s * kept + fresh, norm * kept + (1 - kept)
 
 
 # ----- the skeleton ------------------------------------------------------------------------------
@@ -378,10 +365,14 @@ class MergingMethod(SnapKV):
     def needs(self) -> Needs:
         return Needs(window=self.window)
 
-    def stats(self, states) -> dict:
-        counts = {name: sum(int(state.get(name, 0)) for state in states) for name in MERGE_COUNTS}
+    @property
+    def decodes_all_layers(self) -> bool:
+        return True  # EMA channels, per-row thresholds, tallies: row by row
+
+    def stats(self, states, counts) -> dict:
+        merges = {name: int(counts.get(name, 0)) for name in MERGE_COUNTS}
         errors = [state["merge_error"] for state in states if "merge_error" in state]
-        out = {"merge_counts": counts} if any(counts.values()) else {}
+        out = {"merge_counts": merges} if any(merges.values()) else {}
         if errors:  # the reference query's error right after compression, mean over layers
             out["merge_error"] = sum(errors) / len(errors)
         return out
@@ -487,13 +478,12 @@ class MergingMethod(SnapKV):
         target = torch.where(merged, carrier, torch.arange(keep.shape[-1], device=keep.device).expand_as(carrier))
         plan = MergePlan(keep=keep, merged=merged, dropped=candidates & ~merged, target=target, similarity=similarity)
         result = self.merge_rule(view, plan, ref, context.scaling)
-        state.update(self._count(context, plan, result))
         channels.update(self._merged_importance(view, plan))
         carriers = plan.carriers
-        edit = Edit(keep=plan.keep, rewrite=Rewrite(carriers, result.keys[carriers], result.values[carriers]), channels=channels,
-                    state=state)
+        edit = Edit(keep=plan.keep, rewrite=Rewrite(carriers, result.keys, result.values), channels=channels, state=state,
+                    counts=self._count(context, plan, result))
         if result.log_votes is not None:
-            edit.log_weights = result.log_votes
+            edit.log_weights = log_votes_of(view).masked_scatter(carriers, result.log_votes)
         return edit
 
     def merge_rule(self, view, plan: MergePlan, ref: Reference, scaling: float) -> Merged:
@@ -513,14 +503,10 @@ class MergingMethod(SnapKV):
         }
 
     def _count(self, context, plan: MergePlan, result: Merged) -> dict:
-        state = context.state
-        counts = {
-            "merged": state.get("merged", 0) + int(plan.merged.sum()),
-            "merge_groups": state.get("merge_groups", 0) + int(plan.carriers.sum()),
-            "dropped": state.get("dropped", 0) + int(plan.dropped.sum()),
-        }
+        """This edit's tallies: entries merged, groups (carriers), entries dropped, key-rule fallbacks."""
+        counts = {"merged": int(plan.merged.sum()), "merge_groups": int(plan.carriers.sum()), "dropped": int(plan.dropped.sum())}
         if result.fallbacks:
-            counts["zip_fallbacks"] = state.get("zip_fallbacks", 0) + result.fallbacks
+            counts["zip_fallbacks"] = result.fallbacks
             context.note(f"{self.name}: ZIP key scales out of range fell back to the votes rule "
                          "(count: stats['merge_counts']['zip_fallbacks'])")
         return counts
@@ -591,13 +577,11 @@ class MergingMethod(SnapKV):
             similarity=torch.cat([torch.full_like(best, float("-inf")), best], dim=-1),
         )
         result = self.merge_rule(pair, plan, query_reference(view, context), context.scaling)
-        state.update(self._count(context, plan, result))
-        rewritten = torch.zeros_like(valid).scatter(-1, carrier, merged_head)
-        edit = Edit(keep=valid & ~candidates, rewrite=Rewrite(rewritten, result.keys[:, :, 0][merged_head[..., 0]],
-                                                              result.values[:, :, 0][merged_head[..., 0]]), state=state)
+        rewritten = torch.zeros_like(valid).scatter(-1, carrier, merged_head)  # the carriers, in (row, head) order
+        edit = Edit(keep=valid & ~candidates, rewrite=Rewrite(rewritten, result.keys, result.values), state=state,
+                    counts=self._count(context, plan, result))
         if result.log_votes is not None:
-            edit.log_weights = log_votes_of(view).scatter(-1, carrier, torch.where(merged_head, result.log_votes[..., :1],
-                                                                                    log_votes_of(view).gather(-1, carrier)))
+            edit.log_weights = log_votes_of(view).masked_scatter(rewritten, result.log_votes)
         importance = self._merged_importance(pair, plan)
         edit.channels = {name: view.channels[name].scatter(-1, carrier, torch.where(merged_head, importance[name][..., :1],
                                                                                     view.channels[name].gather(-1, carrier)))
@@ -625,7 +609,8 @@ __all__ = [
     "Reference",
     "cam_merge",
     "d2o_merge",
-    "group_combine",
+    "group_mean",
+    "group_weights",
     "nearest_carriers",
     "query_reference",
     "reference_output",

@@ -63,6 +63,15 @@ class Moments:
             order=self.order,
         )
 
+    @classmethod
+    def stack(cls, parts: list[Moments]) -> Moments:
+        """The moments of several layers as one over their rows (a step of every layer at once)."""
+        return cls(*(torch.cat([getattr(m, name) for m in parts]) for name in ("count", "key_sum", "value_sum", "value_key_sum")),
+                   order=parts[0].order)
+
+    def rows(self, rows: slice) -> Moments:
+        return Moments(self.count[rows], self.key_sum[rows], self.value_sum[rows], self.value_key_sum[rows], self.order)
+
     def means(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """μ_k, μ_v [B, H, d] and C = S_vk/m − μ_v μ_kᵀ [B, H, d, d] (eq. 24); zeros where m = 0."""
         m = self.count.clamp(min=1.0)
@@ -195,7 +204,7 @@ class MomentKV(AdaKV):
         return bool((view.lengths > self.decode_budget(context)[:, None] + self.slack).any())
 
     def wants_col_sums(self, view, context) -> bool:
-        return self._over_budget(view, context)  # the current query's weights score the eviction
+        return True  # the current query's weights score an eviction (every layer acts at once: each must have them)
 
     def decode_step(self, view, context, col_sums) -> Edit | None:
         if not self._over_budget(view, context):

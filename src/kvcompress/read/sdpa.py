@@ -95,63 +95,72 @@ def read_masked(query: torch.Tensor, query_positions: torch.Tensor, view: KVView
 
 
 # ----- the prompt ----------------------------------------------------------------------------
-def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     mask: torch.Tensor | None = None, want_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, mask: torch.Tensor | None = None,
+                     col_sums: bool = False, token_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of a prompt over itself, as transformers' SDPA computes it: output [B, Hq, n, d]
-    and, if asked, the log-sum-exp [B, Hq, n] float32 (the same numbers: the CPU kernel SDPA dispatches to).
+    and, if asked, each entry's attention summed over the prompt's queries [B, H, n] (``prompt_column_sums``,
+    from the kernel's own log-sum-exp: the CPU kernel SDPA dispatches to returns it).
 
-    ``mask`` is transformers' 4-D attention mask (padded batches) or None (causal)."""
+    ``mask`` is transformers' 4-D attention mask (padded batches) or None (causal); ``token_valid``
+    [B, n] marks the real tokens for the sums."""
     groups = query.shape[1] // key.shape[1]
     n = query.shape[2]
-    if mask is None and not want_lse:
+    if mask is None and not col_sums:
         return F.scaled_dot_product_attention(query, key, value, is_causal=n > 1, scale=scaling, enable_gqa=groups > 1), None
     keys, values = repeat_kv(key, groups), repeat_kv(value, groups)
     on_cpu = query.device.type == "cpu" and _CPU_FLASH is not None
     if mask is None and on_cpu:
         out, lse = _CPU_FLASH(query, keys, values, 0.0, n > 1, scale=scaling)
-        return out, lse.float()
-    if mask is None:
-        mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()[None, None]
-    bias = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
-    if want_lse and on_cpu:
-        out, lse = _CPU_FLASH(query, keys, values, 0.0, False, attn_mask=bias.to(query.dtype), scale=scaling)
-        return out, lse.float()
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-    if not want_lse:
+    else:
+        if mask is None:
+            mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()[None, None]
+        bias = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        if col_sums and on_cpu:
+            out, lse = _CPU_FLASH(query, keys, values, 0.0, False, attn_mask=bias.to(query.dtype), scale=scaling)
+        else:
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+            if not col_sums:
+                return out, None
+            lse = torch.cat([torch.logsumexp(torch.matmul(query[:, :, s:s + 256].float(), keys.float().transpose(-1, -2)) * scaling
+                                             + bias[:, :, s:s + 256], dim=-1) for s in range(0, n, 256)], dim=2)
+    if not col_sums:
         return out, None
-    lse = torch.cat([torch.logsumexp(torch.matmul(query[:, :, s:s + 256].float(), keys.float().transpose(-1, -2)) * scaling
-                                     + bias[:, :, s:s + 256], dim=-1) for s in range(0, n, 256)], dim=2)
-    return out, lse
+    return out, prompt_column_sums(query, key, lse, scaling, token_valid)
 
 
 def prompt_column_sums(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float,
-                       token_valid: torch.Tensor | None = None, chunk: int = 128) -> torch.Tensor:
+                       token_valid: torch.Tensor | None = None, chunk: int = 64, key_block: int = 512) -> torch.Tensor:
     """Σ over the prompt's (real) queries of each entry's attention weight, mean over the GQA group:
     [B, H, n] float32 (H2O's score), from the attention's log-sum-exp ``lse`` [B, Hq, n].
 
-    Weights are rebuilt chunk by chunk as exp(τ·qᵀk − lse) over the visible keys only (a query
-    sees the keys up to itself, never padding), so the n × n matrix never exists at once."""
+    Weights are rebuilt tile by tile (``chunk`` queries × ``key_block`` keys, small enough to stay
+    in cache) as exp(τ·qᵀk − lse) over the visible keys only (a query sees the keys up to itself,
+    never padding), so the n × n matrix never exists."""
     b, hq, n, d = query.shape
     heads = key.shape[1]
     groups = hq // heads
-    q = query.float().reshape(b * heads, groups, n, d)
-    k_t = key.float().reshape(b * heads, n, d).transpose(1, 2)  # [BH, d, n]
-    neg_lse = (-lse.float()).reshape(b * heads, groups, n)
+    bh = b * heads
+    q = query.float().reshape(bh, groups, n, d)
+    k_t = key.float().reshape(bh, n, d).transpose(1, 2)  # [BH, d, n]
+    neg_lse = (-lse.float()).reshape(bh, groups, n)
     key_ok = None if token_valid is None else token_valid.to(query.device).repeat_interleave(heads, dim=0)  # [BH, n]
-    total = torch.zeros(b * heads, n, dtype=torch.float32, device=query.device)
+    total = torch.zeros(bh, n, dtype=torch.float32, device=query.device)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         c = end - start
-        rows = q[:, :, start:end].reshape(b * heads, groups * c, d)
-        bias = neg_lse[:, :, start:end].reshape(b * heads, groups * c, 1).expand(-1, -1, end)
-        logits = torch.baddbmm(bias, rows, k_t[:, :, :end], alpha=scaling)  # τ·qᵀk − lse, [BH, G·c, end]
-        diagonal = logits[:, :, start:end].view(b * heads, groups, c, c)
-        diagonal.masked_fill_(torch.ones(c, c, dtype=torch.bool, device=query.device).triu(1), float("-inf"))
-        if key_ok is not None:
-            logits.masked_fill_(~key_ok[:, None, :end], float("-inf"))
-            query_ok = key_ok[:, None, start:end].expand(-1, groups, c).reshape(b * heads, groups * c, 1)
-            logits.masked_fill_(~query_ok, float("-inf"))  # padding queries do not vote
-        total[:, :end] += logits.exp_().sum(dim=1)
+        rows = q[:, :, start:end].reshape(bh, groups * c, d)
+        bias = neg_lse[:, :, start:end].reshape(bh, groups * c, 1)
+        voters = torch.ones(bh, 1, groups * c, device=query.device)  # Σ over the rows as one matrix-vector product
+        padding = None if key_ok is None else ~key_ok[:, None, start:end].expand(-1, groups, c).reshape(bh, groups * c, 1)
+        for first in range(0, end, key_block):
+            last = min(end, first + key_block)
+            logits = torch.baddbmm(bias.expand(-1, -1, last - first), rows, k_t[:, :, first:last], alpha=scaling)
+            if last - 1 > start:  # some key of the block comes after some query of the chunk: hide it
+                after = torch.arange(first, last, device=query.device) > torch.arange(start, end, device=query.device)[:, None]
+                logits.view(bh, groups, c, last - first).masked_fill_(after, float("-inf"))
+            if key_ok is not None:  # padding is never seen, and padding queries do not vote
+                logits.masked_fill_(~key_ok[:, None, first:last], float("-inf")).masked_fill_(padding, float("-inf"))
+            total[:, first:last] += torch.bmm(voters, logits.exp_())[:, 0]
     return (total / groups).view(b, heads, n)
 
 

@@ -4,8 +4,8 @@ Nothing here knows a method or transformers.
 """
 
 from .codecs import Codec, PlainCodec
-from .slots import LayerTable, PoolExhausted, SlotPool
+from .slots import PoolExhausted, SlotPool, SlotTable
 from .view import Edit, Entries, KVView, LayerContext, LayerInput, Rewrite, Summary
 
-__all__ = ["Codec", "Edit", "Entries", "KVView", "LayerContext", "LayerInput", "LayerTable", "PlainCodec", "PoolExhausted",
-           "Rewrite", "SlotPool", "Summary"]
+__all__ = ["Codec", "Edit", "Entries", "KVView", "LayerContext", "LayerInput", "PlainCodec", "PoolExhausted",
+           "Rewrite", "SlotPool", "SlotTable", "Summary"]

@@ -7,12 +7,14 @@
   reference counts let forks of a sequence share entries (a slot is free again when its
   last holder lets it go). A fixed pool (``capacity=``, the engine) raises
   ``PoolExhausted`` when full; a growable one (the single-request cache) doubles.
-* ``LayerTable``: one layer of a batch of sequences: per (row, KV head) the slots of the
+* ``SlotTable``: rows × KV heads of slot tables — per (row, KV head) the slots of the
   entries it holds, their positions, optional log-weights and per-entry method channels,
-  left-aligned in arrays [B, H, capacity] that grow by doubling. Appending writes only the
-  new entries (amortized O(new)); evicting compacts the table and frees the slots; a
-  rewrite (a merge) writes new slots and frees the old ones, so a fork never sees another
-  fork's changes.
+  left-aligned in arrays [R, H, capacity] that grow by doubling. A session keeps one table
+  for all its layers (row l·B + b = layer l, batch row b), so one layer is a range of rows
+  and a step's edits for every layer can be applied at once. Appending writes only the
+  new entries (amortized O(new)); evicting compacts the rows and frees the slots; a rewrite
+  (a merge) writes new slots and frees the old ones, so a fork never sees another fork's
+  changes.
 
 Nothing here knows a method or transformers: edits arrive as ``store.view.Edit``.
 """
@@ -145,8 +147,8 @@ class SlotPool:
             return
         self.refs.index_add_(0, index, torch.full_like(index, -1, dtype=torch.int32))
         counts = self.refs[index]
-        if bool((counts < 0).any()) or bool((index == PAD_SLOT).any()):
-            raise RuntimeError("slot released more often than it was held (a bug in the store's bookkeeping)")
+        if bool(((counts < 0) | (index == PAD_SLOT)).any()):
+            raise RuntimeError("a slot released more often than it was held, or padding released (a bug in the store's bookkeeping)")
         freed = torch.unique(index[counts == 0])
         self._free[self._top : self._top + freed.numel()] = freed
         self._top += freed.numel()
@@ -181,261 +183,291 @@ class SlotPool:
         return self.codec.decode(rows)
 
 
-class LayerTable:
-    """The entries one layer holds for a batch of B rows and H KV heads (see the module docstring)."""
+Rows = slice | None  # a range of a table's rows; None = all
+
+
+class SlotTable:
+    """Slot tables of R rows × H KV heads (see the module docstring).
+
+    Per (row, head), left-aligned: ``ids`` int32 [R, H, capacity, 2] (slot, original position) and,
+    when a method sets any, ``weights`` float32 [R, H, capacity, C] (the log-weights and the method's
+    channels, one column each, named in ``columns``). Padding holds (slot 0, a position after every
+    real one) and zero weights. Every operation takes ``rows`` (a slice; None = all rows) and
+    works in the layout of ``view(pool, rows)``.
+    """
+
+    LOG_WEIGHTS = "log_weights"
 
     @_plain_tensors
-    def __init__(self, batch: int, heads: int, device: str | torch.device = "cpu"):
+    def __init__(self, rows: int, heads: int, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
-        self.slots = torch.full((batch, heads, 0), PAD_SLOT, dtype=torch.int32, device=self.device)
-        self.positions = torch.full((batch, heads, 0), PAD_POSITION, dtype=torch.int32, device=self.device)
-        self.log_weights: torch.Tensor | None = None
-        self.channels: dict[str, torch.Tensor] = {}
-        self._set_lengths(torch.zeros(batch, heads, dtype=torch.long, device="cpu"))  # sizes are decided on the CPU
+        self.ids = torch.empty(rows, heads, 0, 2, dtype=torch.int32, device=self.device)
+        self.weights: torch.Tensor | None = None
+        self.columns: list[str] = []
+        self.lengths = torch.zeros(rows, heads, dtype=torch.long, device="cpu")  # sizes are decided on the CPU
 
-    def _set_lengths(self, lengths: torch.Tensor) -> None:
-        """Entries per head [B, H] (CPU), with the longest and whether every head is that long kept at hand."""
-        self.lengths = lengths
-        self._longest = int(lengths.max()) if lengths.numel() else 0
-        self._uniform = bool((lengths == self._longest).all())
-
-    # ----- sizes ---------------------------------------------------------------------------
+    # ----- sizes and named parts -------------------------------------------------------------
     @property
-    def batch_size(self) -> int:
-        return self.slots.shape[0]
+    def num_rows(self) -> int:
+        return self.ids.shape[0]
 
     @property
     def num_heads(self) -> int:
-        return self.slots.shape[1]
+        return self.ids.shape[1]
 
     @property
     def capacity(self) -> int:
-        return self.slots.shape[2]
+        return self.ids.shape[2]
+
+    def span(self, rows: Rows = None) -> tuple[int, bool]:
+        """(the longest head, whether every head is that long) among ``rows``."""
+        sizes = self.lengths[_all(rows)].view(-1).tolist()
+        longest = max(sizes, default=0)
+        return longest, all(n == longest for n in sizes)
+
+    def num_entries(self, rows: Rows = None) -> int:
+        return int(self.lengths[_all(rows)].sum())
 
     @property
-    def longest(self) -> int:
-        return self._longest
+    def slots(self) -> torch.Tensor:
+        """int32 [R, H, capacity]: each entry's slot (a view)."""
+        return self.ids[..., 0]
 
     @property
-    def num_entries(self) -> int:
-        return int(self.lengths.sum())
+    def positions(self) -> torch.Tensor:
+        """int32 [R, H, capacity]: each entry's original position (a view)."""
+        return self.ids[..., 1]
 
     def entry_bytes(self, pool: SlotPool) -> int:
         """Bytes one entry costs: its slot, its slot index and position, its log-weight and channels."""
-        extra = (self.log_weights is not None) + len(self.channels)
-        return pool.bytes_per_slot + INDEX_BYTES + POSITION_BYTES + WEIGHT_BYTES * extra
+        return pool.bytes_per_slot + INDEX_BYTES + POSITION_BYTES + WEIGHT_BYTES * len(self.columns)
 
-    def nbytes(self, pool: SlotPool) -> int:
-        """Bytes held for this layer: every entry (``entry_bytes``) and a length per head."""
-        return self.num_entries * self.entry_bytes(pool) + self.lengths.numel() * LENGTH_BYTES
+    def nbytes(self, pool: SlotPool, rows: Rows = None) -> int:
+        """Bytes held for ``rows``: every entry (``entry_bytes``) and a length per head."""
+        lengths = self.lengths[_all(rows)]
+        return int(lengths.sum()) * self.entry_bytes(pool) + lengths.numel() * LENGTH_BYTES
 
-    def held_slots(self) -> torch.Tensor:
-        """Every slot this table holds (int64, CPU)."""
-        length = self.longest
-        valid = torch.arange(length, device="cpu") < self.lengths[..., None]
-        return self.slots[:, :, :length].cpu()[valid].long()
+    def held_slots(self, rows: Rows = None) -> torch.Tensor:
+        """Every slot ``rows`` hold (int64, CPU)."""
+        rows = _all(rows)
+        longest, _ = self.span(rows)
+        valid = torch.arange(longest, device="cpu") < self.lengths[rows][..., None]
+        return self.ids[rows, :, :longest, 0].cpu()[valid].long()
 
     # ----- reading -------------------------------------------------------------------------
-    def view(self, pool: SlotPool, summary=None) -> KVView:
-        """The entries as a ``KVView`` [B, H, longest]; keys and values are gathered on first use."""
-        length = self.longest
-        slots = self.slots[:, :, :length]
+    def view(self, pool: SlotPool, rows: Rows = None, summary=None) -> KVView:
+        """``rows`` as a ``KVView`` [r, H, longest]; keys and values are gathered on first use."""
+        rows = _all(rows)
+        longest, uniform = self.span(rows)
+        ids = self.ids[rows, :, :longest]
+        slots = ids[..., 0]
+        weights = None if self.weights is None else self.weights[rows, :, :longest]
+        columns = dict(zip(self.columns, range(len(self.columns))))
+        log_weights = columns.pop(self.LOG_WEIGHTS, None)
         return KVView(
-            self.positions[:, :, :length].long(),
-            self.lengths.clone(),
-            uniform=self._uniform,
+            ids[..., 1].long(),
+            self.lengths[rows].clone(),
+            uniform=uniform,
             load=lambda index: pool.gather(slots if index is None else slots.gather(-1, index)),
-            log_weights=None if self.log_weights is None else self.log_weights[:, :, :length],
-            channels={name: c[:, :, :length] for name, c in self.channels.items()},
+            log_weights=None if log_weights is None else weights[..., log_weights],
+            channels={name: weights[..., i] for name, i in columns.items()},
             summary=summary,
         )
 
     # ----- writing -------------------------------------------------------------------------
     @_plain_tensors
     def append(self, pool: SlotPool, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               token_valid: torch.Tensor | None = None) -> None:
-        """Add new entries [B, H, q, d] at positions [B, q]; tokens where ``token_valid`` [B, q] is
-        False (padding) are not stored. New entries have log-weight 0 and channels 0."""
-        b, h, q, _ = keys.shape
+               token_valid: torch.Tensor | None = None, rows: Rows = None) -> None:
+        """Add new entries [r, H, q, d] at positions [r, q] to ``rows``; tokens where ``token_valid``
+        [r, q] is False (padding) are not stored. New entries have log-weight 0 and channels 0."""
+        r, h, q, _ = keys.shape
         valid = None
         if token_valid is not None and not bool(token_valid.all()):
-            valid = token_valid[:, None, :].expand(b, h, q).to(self.device)
-        self._write(pool, keys, values, positions[:, None, :].expand(b, h, q), valid)
+            valid = token_valid[:, None, :].expand(r, h, q).to(self.device)
+        self._write(pool, keys, values, positions[:, None, :].expand(r, h, q), valid, None, _all(rows))
 
-    def _write(self, pool: SlotPool, keys, values, positions, valid, log_weights=None, channels=None) -> None:
-        """Write entries [B, H, q, ...] (where ``valid`` [B, H, q]; None = all) after each head's last entry."""
-        b, h, q, d = keys.shape
-        targets = {"log_weights": log_weights, **(channels or {})}
+    def _write(self, pool: SlotPool, keys, values, positions, valid, weights, rows: slice) -> None:
+        """Write entries [r, H, q, ...] (where ``valid`` [r, H, q]; None = all) after each head's last entry
+        of ``rows``; ``weights`` [r, H, q, C] in this table's columns (None: zeros)."""
+        r, h, q, d = keys.shape
         if valid is None:
-            count = b * h * q
+            count = r * h * q
             slots = pool.allocate(count)
             pool.write(slots, keys.reshape(count, d), values.reshape(count, d))
-            self._reserve(self._longest + q)
-            if self._uniform:  # every head as long: the new entries go in one block of columns
-                columns = slice(self._longest, self._longest + q)
-                self.slots[:, :, columns] = slots.view(b, h, q)
-                self.positions[:, :, columns] = positions
-                for name, array in self._weights().items():
-                    source = targets.get(name)
-                    array[:, :, columns] = 0.0 if source is None else source.float()
-            else:  # ragged heads: each head's new entries go right after its own last one
-                index = self.lengths.to(self.device)[..., None] + torch.arange(q, device=self.device)
-                self.slots.scatter_(-1, index, slots.view(b, h, q).to(torch.int32))
-                self.positions.scatter_(-1, index, positions.to(torch.int32))
-                for name, array in self._weights().items():
-                    source = targets.get(name)
-                    array.scatter_(-1, index, torch.zeros(b, h, q, device=self.device) if source is None else source.float())
-            self.lengths += q
-            self._longest += q
-            return
-        count = int(valid.sum())  # some entries are padding: left-align the real ones per head
-        slots = pool.allocate(count)
-        pool.write(slots, keys[valid], values[valid])
-        added = valid.sum(-1).cpu()
-        aligned = torch.arange(q, device=valid.device) < added.to(valid.device)[..., None]
-        new = {"slots": _aligned(slots, aligned), "positions": _aligned(positions[valid], aligned, PAD_POSITION)}
-        if log_weights is not None:
-            targets["log_weights"] = _aligned(log_weights[valid], aligned)
-        targets.update({name: _aligned(c[valid], aligned) for name, c in (channels or {}).items()})
-        self._reserve(self._longest + q)
-        index = (self.lengths.to(self.device)[..., None] + torch.arange(q, device=self.device)).clamp(max=self.capacity - 1)
-        mask = torch.arange(q, device=self.device) < added.to(self.device)[..., None]
-        _scatter_masked(self.slots, index, new["slots"].to(torch.int32), mask)
-        _scatter_masked(self.positions, index, new["positions"].to(torch.int32), mask)
-        for name, array in self._weights().items():
-            source = targets.get(name)
-            source = torch.zeros(b, h, q, device=self.device) if source is None else source.float()
-            _scatter_masked(array, index, source, mask)
-        self._set_lengths(self.lengths + added)
-
-    def _weights(self) -> dict[str, torch.Tensor]:
-        """The float per-entry arrays: log-weights (if any) and channels."""
-        arrays = dict(self.channels)
-        if self.log_weights is not None:
-            arrays["log_weights"] = self.log_weights
-        return arrays
+            ids = torch.stack([slots.view(r, h, q).to(torch.int32), positions.to(torch.int32)], dim=-1)
+            added = None
+        else:  # some entries are padding: left-align the real ones per head
+            count = int(valid.sum())
+            slots = pool.allocate(count)
+            pool.write(slots, keys[valid], values[valid])
+            added = valid.sum(-1).cpu()
+            aligned = torch.arange(q, device=valid.device) < added.to(valid.device)[..., None]
+            ids = _aligned(torch.stack([slots.to(torch.int32), positions[valid].to(torch.int32)], dim=-1), aligned, PAD_IDS)
+            if weights is not None:
+                weights = _aligned(weights[valid], aligned, 0.0)
+        longest, uniform = self.span(rows)
+        self._reserve(longest + q)
+        if uniform and added is None:  # every head as long: the new entries go in one block of columns
+            columns = slice(longest, longest + q)
+            self.ids[rows, :, columns] = ids
+            if self.weights is not None:
+                self.weights[rows, :, columns] = 0.0 if weights is None else weights
+        else:  # each head's new entries go right after its own last one
+            index = self.lengths[rows].to(self.device)[..., None] + torch.arange(q, device=self.device)
+            mask = None if added is None else torch.arange(q, device=self.device) < added.to(self.device)[..., None]
+            _scatter_rows(self.ids[rows], index, ids, mask)
+            if self.weights is not None:
+                source = torch.zeros(r, h, q, len(self.columns), device=self.device) if weights is None else weights
+                _scatter_rows(self.weights[rows], index, source, mask)
+        self.lengths[rows] += q if added is None else added
 
     def _reserve(self, needed: int) -> None:
         """Make room for ``needed`` entries per head (doubling, so appends are amortized O(new))."""
-        if needed <= self.capacity:
-            return
-        self._resize(max(needed, 2 * self.capacity, 16))
+        if needed > self.capacity:
+            self._resize(max(needed, 2 * self.capacity, 16))
 
     def _resize(self, capacity: int) -> None:
         keep = min(capacity, self.capacity)
-
-        def resized(array, fill):
-            out = torch.full((*array.shape[:2], capacity), fill, dtype=array.dtype, device=array.device)
-            out[:, :, :keep] = array[:, :, :keep]
-            return out
-
-        self.slots = resized(self.slots, PAD_SLOT)
-        self.positions = resized(self.positions, PAD_POSITION)
-        if self.log_weights is not None:
-            self.log_weights = resized(self.log_weights, 0.0)
-        self.channels = {name: resized(c, 0.0) for name, c in self.channels.items()}
+        ids = PAD_IDS.to(self.device).repeat(*self.ids.shape[:2], capacity, 1)
+        ids[:, :, :keep] = self.ids[:, :, :keep]
+        self.ids = ids
+        if self.weights is not None:
+            weights = torch.zeros(*self.weights.shape[:2], capacity, self.weights.shape[3], device=self.device)
+            weights[:, :, :keep] = self.weights[:, :, :keep]
+            self.weights = weights
 
     @_plain_tensors
-    def apply(self, pool: SlotPool, edit: Edit) -> None:
-        """Carry out a method's edit (see ``Edit`` for the order)."""
+    def shrink(self) -> None:
+        """Give back table memory beyond twice the longest head (after a prompt was compressed)."""
+        longest, _ = self.span()
+        if self.capacity > max(2 * longest, 16):
+            self._resize(max(2 * longest, 16))
+
+    @_plain_tensors
+    def apply(self, pool: SlotPool, edit: Edit, rows: Rows = None) -> None:
+        """Carry out a method's edit on ``rows`` (see ``Edit`` for the order)."""
+        rows = _all(rows)
         if edit.replace is not None:
-            self.release(pool)
-            self._replace(pool, edit.replace)
-        length = self.longest
+            self.release(pool, rows)
+            self._replace(pool, edit.replace, rows)
+        longest, _ = self.span(rows)
         if edit.rewrite is not None:
-            self._rewrite(pool, edit.rewrite.mask, edit.rewrite.keys, edit.rewrite.values, length)
+            self._rewrite(pool, edit.rewrite.mask, edit.rewrite.keys, edit.rewrite.values, rows, longest)
         if edit.log_weights is not UNCHANGED:
-            if edit.log_weights is None:
-                self.log_weights = None
-            else:
-                self.log_weights = self._set(self.log_weights, edit.log_weights, length)
+            self._set_column(self.LOG_WEIGHTS, edit.log_weights, rows, longest)
         for name, values in edit.channels.items():
-            self.channels[name] = self._set(self.channels.get(name), values, length)
+            self._set_column(name, values, rows, longest)
         if edit.keep is not None:
-            self.retain(pool, edit.keep)
+            self.retain(pool, edit.keep, rows)
 
-    def _set(self, array: torch.Tensor | None, values: torch.Tensor, length: int) -> torch.Tensor:
-        if array is None:
-            array = torch.zeros(self.slots.shape, dtype=torch.float32, device=self.device)
-        array[:, :, :length] = values[:, :, :length].float().to(self.device)
-        return array
+    def _set_column(self, name: str, values: torch.Tensor | None, rows: slice, length: int) -> None:
+        """Set a weight column of ``rows`` ([r, H, L]; None removes it, for every row)."""
+        if values is None:
+            if name in self.columns:
+                kept = [i for i, n in enumerate(self.columns) if n != name]
+                self.columns = [self.columns[i] for i in kept]
+                self.weights = self.weights[..., kept].contiguous() if kept else None
+            return
+        if name not in self.columns:
+            fresh = torch.zeros(*self.ids.shape[:3], 1, device=self.device)
+            self.weights = fresh if self.weights is None else torch.cat([self.weights, fresh], dim=-1)
+            self.columns = [*self.columns, name]
+        self.weights[rows, :, :length, self.columns.index(name)] = values[:, :, :length]
 
-    def _replace(self, pool: SlotPool, entries: Entries) -> None:
-        b, h, _, _ = entries.keys.shape
-        self.__init__(b, h, self.device)  # an empty table of the same shape
-        if entries.log_weights is not None:
-            self.log_weights = torch.zeros(b, h, 0, device=self.device)
-        self.channels = {name: torch.zeros(b, h, 0, device=self.device) for name in entries.channels}
-        self._write(pool, entries.keys, entries.values, entries.positions, entries.valid.to(self.device),
-                    entries.log_weights, entries.channels)
+    def _replace(self, pool: SlotPool, entries: Entries, rows: slice) -> None:
+        named = ({self.LOG_WEIGHTS: entries.log_weights} if entries.log_weights is not None else {}) | entries.channels
+        for name in named:  # the columns the new entries bring
+            if name not in self.columns:
+                self._set_column(name, torch.zeros(1, 1, 0), rows, 0)
+        weights = None
+        if self.columns:
+            shape = entries.positions.shape
+            weights = torch.stack([named[n].float() if n in named else torch.zeros(shape, device=self.device)
+                                   for n in self.columns], dim=-1)
+        self._write(pool, entries.keys, entries.values, entries.positions, entries.valid.to(self.device), weights, rows)
 
-    def _rewrite(self, pool: SlotPool, mask, keys, values, length) -> None:
-        """New slots for the entries marked in ``mask`` [B, H, L] (keys, values [N, d] in mask order);
+    def _rewrite(self, pool: SlotPool, mask, keys, values, rows: slice, length: int) -> None:
+        """New slots for the entries marked in ``mask`` [r, H, L] (keys, values [N, d] in mask order);
         the old slots are let go."""
+        table = self.ids[rows, :, :length, 0]
         mask = mask.to(self.device)
-        table = self.slots[:, :, :length]
         old = table[mask]
         if old.numel() != keys.shape[0]:
             raise ValueError(f"a rewrite marks {old.numel()} entries but carries {keys.shape[0]}")
         if old.numel() == 0:
             return
-        if bool((old == PAD_SLOT).any()):
-            raise ValueError("a rewrite marks padding: only real entries can be rewritten")
         new = pool.allocate(old.numel())
         pool.write(new, keys, values)
         table[mask] = new.to(torch.int32)
-        pool.release(old)
+        pool.release(old)  # refuses padding (slot 0): only real entries can be rewritten
 
     @_plain_tensors
-    def retain(self, pool: SlotPool, keep: torch.Tensor) -> None:
-        """Keep the entries marked in ``keep`` [B, H, L] (L = the longest head); free the others' slots."""
+    def retain(self, pool: SlotPool, keep: torch.Tensor, rows: Rows = None) -> None:
+        """Keep the entries of ``rows`` marked in ``keep`` [r, H, L] (L = their longest head); free the
+        others' slots."""
+        rows = _all(rows)
         length = keep.shape[-1]
-        valid = torch.arange(length, device=self.device) < self.lengths.to(self.device)[..., None]
+        valid = torch.arange(length, device=self.device) < self.lengths[rows].to(self.device)[..., None]
         keep = keep.to(self.device) & valid
-        pool.release(self.slots[:, :, :length][valid & ~keep])
+        ids = self.ids[rows, :, :length]
+        pool.release(ids[..., 0][valid & ~keep])
         counts = keep.sum(-1)
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept entries first, in order
-        tail = torch.arange(length, device=self.device) >= counts[..., None]
-        self.slots[:, :, :length] = self.slots[:, :, :length].gather(-1, order).masked_fill(tail, PAD_SLOT)
-        self.positions[:, :, :length] = self.positions[:, :, :length].gather(-1, order).masked_fill(tail, PAD_POSITION)
-        for array in self._weights().values():
-            array[:, :, :length] = array[:, :, :length].gather(-1, order).masked_fill(tail, 0.0)
-        self._set_lengths(counts.cpu())
-        longest = self.longest
-        if self.capacity > 64 and 4 * longest < self.capacity:  # give back table memory after a large eviction
-            self._resize(max(2 * longest, 16))
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., None]  # kept entries first, in order
+        tail = (torch.arange(length, device=self.device) >= counts[..., None])[..., None]
+        ids[...] = torch.where(tail, PAD_IDS.to(self.device), ids.gather(2, order.expand(-1, -1, -1, 2)))
+        if self.weights is not None:
+            weights = self.weights[rows, :, :length]
+            weights[...] = weights.gather(2, order.expand(-1, -1, -1, weights.shape[3])).masked_fill(tail, 0.0)
+        self.lengths[rows] = counts.cpu()
 
     # ----- sharing -------------------------------------------------------------------------
     @_plain_tensors
-    def share(self, pool: SlotPool) -> LayerTable:
-        """An independent table holding the same entries (the slots get one more holder each)."""
-        twin = LayerTable.__new__(LayerTable)
+    def share(self, pool: SlotPool, rows: Rows = None) -> SlotTable:
+        """An independent table holding the same entries as ``rows`` (their slots get one more holder each)."""
+        rows = _all(rows)
+        twin = SlotTable.__new__(SlotTable)
         twin.device = self.device
-        twin.slots, twin.positions = self.slots.clone(), self.positions.clone()
-        twin._set_lengths(self.lengths.clone())
-        twin.log_weights = None if self.log_weights is None else self.log_weights.clone()
-        twin.channels = {name: c.clone() for name, c in self.channels.items()}
-        pool.share(self.held_slots())
+        twin.ids = self.ids[rows].clone()
+        twin.weights = None if self.weights is None else self.weights[rows].clone()
+        twin.columns = list(self.columns)
+        twin.lengths = self.lengths[rows].clone()
+        pool.share(self.held_slots(rows))
         return twin
 
     @_plain_tensors
-    def release(self, pool: SlotPool) -> None:
-        """Let go of every entry (the table is empty afterwards)."""
-        pool.release(self.held_slots())
-        self.__init__(self.batch_size, self.num_heads, self.device)
+    def release(self, pool: SlotPool, rows: Rows = None) -> None:
+        """Let go of every entry of ``rows`` (they are empty afterwards)."""
+        rows = _all(rows)
+        pool.release(self.held_slots(rows))
+        self.ids[rows] = PAD_IDS.to(self.device)
+        if self.weights is not None:
+            self.weights[rows] = 0.0
+        self.lengths[rows] = 0
 
 
-def _aligned(flat: torch.Tensor, aligned: torch.Tensor, fill=0) -> torch.Tensor:
-    """Entries [N, ...] laid out left-aligned per head where ``aligned`` [B, H, q] is True."""
-    out = torch.full((*aligned.shape, *flat.shape[1:]), fill, dtype=flat.dtype, device=flat.device)
+def _all(rows: Rows) -> slice:
+    return slice(None) if rows is None else rows
+
+
+PAD_IDS = torch.tensor([PAD_SLOT, PAD_POSITION], dtype=torch.int32)  # (slot, position) of padding
+
+
+def _aligned(flat: torch.Tensor, aligned: torch.Tensor, fill) -> torch.Tensor:
+    """Rows [N, ...] laid out left-aligned per head where ``aligned`` [B, H, q] is True (``fill`` elsewhere)."""
+    fill = fill.to(flat.device) if isinstance(fill, torch.Tensor) else fill
+    out = torch.empty((*aligned.shape, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+    out[...] = fill
     out[aligned] = flat
     return out
 
 
-def _scatter_masked(array: torch.Tensor, index: torch.Tensor, source: torch.Tensor, mask: torch.Tensor) -> None:
-    """array[b, h, index[b, h, j]] = source[b, h, j] where ``mask`` [B, H, q]."""
+def _scatter_rows(array: torch.Tensor, index: torch.Tensor, source: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """array[b, h, index[b, h, j]] = source[b, h, j] (rows [..., C]) where ``mask`` [B, H, q] (None: all)."""
+    if mask is None:
+        array.scatter_(2, index[..., None].expand(*index.shape, array.shape[3]), source)
+        return
     b_idx, h_idx, j_idx = mask.nonzero(as_tuple=True)
     array[b_idx, h_idx, index[b_idx, h_idx, j_idx]] = source[b_idx, h_idx, j_idx]
 
 
-__all__ = ["LayerTable", "PAD_SLOT", "PoolExhausted", "SlotPool"]
+__all__ = ["PAD_SLOT", "PoolExhausted", "SlotPool", "SlotTable"]

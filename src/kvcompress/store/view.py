@@ -245,7 +245,8 @@ class Edit:
     Applied in this order: ``replace`` (a new set of entries; the rest of the edit then refers
     to it), ``rewrite``, ``log_weights`` (None removes them), ``channels``, then ``keep``
     (entries marked False leave; their slots are freed). ``summary`` replaces the layer's
-    summary (None removes it), ``state`` updates the method's per-layer state.
+    summary (None removes it), ``state`` updates the method's per-layer state (values with
+    one row per batch row), ``counts`` are added to the session's tallies (merges, drops).
     """
 
     keep: torch.Tensor | None = None
@@ -255,6 +256,7 @@ class Edit:
     summary: Any = UNCHANGED
     state: dict[str, Any] = field(default_factory=dict)
     replace: Entries | None = None
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 def edited_entries(view: KVView, edit: Edit) -> Entries:
