@@ -221,12 +221,14 @@ def test_zip_guard_on_a_pair_whose_weighted_logits_cancel():
     values = torch.randn(1, 1, 2, 4, generator=gen)
     logits = torch.einsum("bhd,bhld->bhl", q, keys)  # [0.1, λ_e]: τ = 1
     for options in ({}, PAPER):
-        result = zip_merge(keys, values, torch.zeros(1, 1, 2), logits, _pair_plan(), **options)
+        result = zip_merge(keys, values, torch.zeros(1, 1, 2), logits, _pair_plan(), query=q, scaling=1.0, **options)
         assert result.fallbacks == 1 and torch.isfinite(result.keys).all()
         merged_logit = float(result.keys[0] @ q[0, 0]) + float(result.log_votes[0])
         assert merged_logit == pytest.approx(float(torch.logsumexp(logits[0, 0], -1)), abs=1e-6)  # p_r e^{λ_r} = Σ w
         assert 0.0 <= float(result.log_votes[0]) <= float(torch.log(torch.tensor(2.0))) + 1e-6  # 1 ≤ p_r ≤ 2
-    healthy = zip_merge(keys, values, torch.zeros(1, 1, 2), torch.tensor([[[0.1, 0.5]]], dtype=torch.float64), _pair_plan())
+    healthy_keys = keys + ((torch.tensor([0.1, 0.5], dtype=torch.float64) - keys[0, 0] @ q[0, 0]) / (q[0, 0] @ q[0, 0]))[:, None] * q[0, 0]
+    healthy = zip_merge(healthy_keys, values, torch.zeros(1, 1, 2), torch.einsum("bhd,bhld->bhl", q, healthy_keys), _pair_plan(),
+                        query=q, scaling=1.0)
     assert healthy.fallbacks == 0 and float(healthy.log_votes[0]) == pytest.approx(float(torch.log(torch.tensor(2.0))))
 
 

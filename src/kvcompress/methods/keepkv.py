@@ -127,8 +127,8 @@ class KeepKV(MergingMethod):
             raise ValueError("max_key_scale must be ≥ 1 (inf for the paper's unbounded rule) and refresh_every ≥ 0")
 
     def merge_rule(self, view, plan, ref, scaling) -> Merged:
-        return zip_merge(view.keys, view.values, log_votes_of(view), ref.logits(view.keys, scaling), plan,
-                         key_rule=self.key_rule, max_key_scale=self.max_key_scale, query=ref.query, scaling=scaling)
+        return zip_merge(view.keys, view.values, log_votes_of(view), ref.logits(view.keys, scaling), plan, query=ref.query,
+                         scaling=scaling, key_rule=self.key_rule, max_key_scale=self.max_key_scale)
 
     @property
     def decodes_all_layers(self) -> bool:

@@ -201,15 +201,17 @@ def group_weights(log_weight: torch.Tensor, plan: MergePlan) -> GroupWeights:
     return GroupWeights(weight, total, torch.log(total) + shift)
 
 
-def group_mean(x: torch.Tensor, weights: GroupWeights, plan: MergePlan) -> torch.Tensor:
-    """Σ w_i x_i / Σ w_i of each group, for its carrier: x [B, H, L, ...] → float64 [N, ...], the
-    carriers in ``tensor[plan.carriers]`` order."""
+def group_mean(x: torch.Tensor, weights: GroupWeights, plan: MergePlan, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Σ w_i x_i / Σ w_i of each group, for its carrier: x [B, H, L, ...] → [N, ...] in ``dtype``, the
+    carriers in ``tensor[plan.carriers]`` order (the shifted weights lie in (0, 1]: float32 is enough
+    for keys and values)."""
     b, h, length = plan.target.shape
-    rows = (weights.weight[..., None] * x.double().reshape(b, h, length, -1)).reshape(b * h * length, -1)
+    rows = (weights.weight.to(dtype)[..., None] * x.to(dtype).reshape(b, h, length, -1)).reshape(b * h * length, -1)
     heads = torch.arange(b * h, device=rows.device).view(b, h, 1) * length
     summed = torch.zeros_like(rows).index_add_(0, (plan.target + heads).reshape(-1), rows)  # each row into its carrier's
     carriers = plan.carriers.reshape(-1)
-    return (summed[carriers] / weights.total.reshape(-1)[carriers].clamp(min=1e-300)[:, None]).reshape(-1, *x.shape[3:])
+    total = weights.total.reshape(-1)[carriers].clamp(min=1e-300).to(dtype)
+    return (summed[carriers] / total[:, None]).reshape(-1, *x.shape[3:])
 
 
 @dataclass
@@ -229,7 +231,7 @@ PAPER_EPS = 1e-3  # the paper's guard: |Σ w λ| ≤ eps·Σ w |λ| counts as a 
 
 def zip_merge(
     keys: torch.Tensor, values: torch.Tensor, log_votes: torch.Tensor, logits: torch.Tensor, plan: MergePlan, *,
-    key_rule: str = "zip", max_key_scale: float = 1.25, query: torch.Tensor | None = None, scaling: float = 1.0,
+    query: torch.Tensor, scaling: float, key_rule: str = "zip", max_key_scale: float = 1.25,
 ) -> Merged:
     """KeepKV's ZIP-merge of each group at once (METHODS.md, "KeepKV"), exact for the reference query.
 
@@ -249,9 +251,12 @@ def zip_merge(
       (attention sag) goes into the vote. log p_r = H(w̃) + E_w̃[log p] with w̃ = w/Σw, so
       1 ≤ p_r ≤ Σ p_i: the vote becomes the group's effective number of tokens for q̄.
     * ``shift``: k_r = k̄ + (T − λ̄)/τ · q̄/‖q̄‖², p_r = Σ p_i: the smallest change of k̄ that
-      meets the constraint (needs ``query`` q̄ [B, H, d] and ``scaling`` τ).
+      meets the constraint.
 
-    The common scale of the w_i cancels, so everything is computed from shifted weights in float64.
+    ``query`` is q̄ [B, H, d] and ``scaling`` τ; ``logits`` [B, H, L] are τ·q̄ᵀk_i. The common scale
+    of the w_i cancels, so the weights come from shifted logits in float64; the mean keys and values
+    are float32 and λ̄ is taken as τ·q̄ᵀk̄ of the mean key itself, so the constraint holds for the
+    key as it is stored.
     """
     if key_rule not in KEY_RULES:
         raise ValueError(f"unknown key_rule {key_rule!r}: use one of {', '.join(KEY_RULES)}")
@@ -259,10 +264,10 @@ def zip_merge(
     log_w = log_votes.double() + logits
     weights = group_weights(log_w, plan)
     log_total = weights.log_total[carriers]
-    d = keys.shape[-1]
-    parts = [keys.double(), values.double(), logits[..., None], logits.abs()[..., None]]  # one pass over every group
-    means = group_mean(torch.cat(parts, dim=-1), weights, plan)
-    k_mean, v_mean, lam_bar, lam_abs = means[:, :d], means[:, d : 2 * d], means[:, 2 * d], means[:, 2 * d + 1]
+    k_mean = group_mean(keys, weights, plan, torch.float32)
+    v_mean = group_mean(values, weights, plan, torch.float32)
+    q_bar = query.double()[:, :, None, :].expand(*carriers.shape, -1)[carriers]  # each carrier's reference query
+    lam_bar = (q_bar * k_mean.double()).sum(-1) * scaling  # λ̄ = τ·q̄ᵀk̄, from the mean key as it will be stored
     log_p = group_weights(log_votes, plan).log_total[carriers]  # log Σ p
     target = log_total - log_p  # T: the logit the merged entry needs with Σ p votes
     sag_votes = log_total - lam_bar  # log p_r of the ``votes`` rule
@@ -270,6 +275,7 @@ def zip_merge(
     if key_rule == "zip":
         scale = target / lam_bar
         if math.isinf(max_key_scale):  # the paper's guard only: Σ w λ near 0 against Σ w |λ|
+            lam_abs = group_mean(logits.abs()[..., None], weights, plan)[:, 0]
             in_range = torch.isfinite(scale) & (lam_bar.abs() > PAPER_EPS * lam_abs)
         else:
             in_range = torch.isfinite(scale) & (scale >= 1.0 / max_key_scale) & (scale <= max_key_scale)
@@ -279,11 +285,8 @@ def zip_merge(
     elif key_rule == "votes":
         k_new, log_p_new = k_mean, sag_votes
     else:
-        if query is None:
-            raise ValueError("key_rule='shift' needs the reference query")
-        q = query.double()[:, :, None, :].expand(*carriers.shape, -1)[carriers]
-        step = (target - lam_bar) / scaling / (q * q).sum(-1).clamp(min=1e-30)
-        k_new, log_p_new = k_mean + step[:, None] * q, log_p
+        step = (target - lam_bar) / scaling / (q_bar * q_bar).sum(-1).clamp(min=1e-30)
+        k_new, log_p_new = k_mean.double() + step[:, None] * q_bar, log_p
     return Merged(keys=k_new.to(keys.dtype), values=v_mean.to(values.dtype), log_votes=log_p_new.float(), fallbacks=fallbacks)
 
 
@@ -437,12 +440,20 @@ class MergingMethod(SnapKV):
     @staticmethod
     def _merge_error(view: KVView, edit: Edit, ref: Reference, scaling: float) -> float:
         """q̄'s relative output error after the edit against before it (0 when nothing left)."""
-        if edit.rewrite is None and (edit.keep is None or bool((edit.keep | ~view.valid_or_ones()).all())):
+        valid = view.valid_or_ones()
+        held = valid if edit.keep is None else edit.keep & valid
+        if edit.rewrite is None and bool((held == valid).all()):
             return 0.0
         expected, _ = view_reference_output(ref, view, scaling)
-        keys, values = edit.rewrite.applied(view.keys, view.values) if edit.rewrite else (view.keys, view.values)
+        count = int(held.sum(-1).max())
+        order = torch.argsort((~held).to(torch.int8), dim=-1, stable=True)[..., :count]  # what is held, in order
+        pick = lambda t: t.gather(2, order[..., None].expand(*order.shape, t.shape[-1]))  # noqa: E731
+        keys, values = pick(view.keys), pick(view.values)
+        if edit.rewrite is not None:
+            keys, values = Rewrite(edit.rewrite.mask.gather(-1, order), edit.rewrite.keys, edit.rewrite.values).applied(keys, values)
         log_weights = view.log_weights if edit.log_weights is UNCHANGED else edit.log_weights
-        out, _ = reference_output(ref, keys, values, view.positions, edit.keep & view.valid_or_ones(), log_weights, scaling)
+        log_weights = None if log_weights is None else log_weights.gather(-1, order)
+        out, _ = reference_output(ref, keys, values, view.positions.gather(-1, order), held.gather(-1, order), log_weights, scaling)
         return relative_error(out, expected)
 
     def carrier_pool(self, context, keep: torch.Tensor, candidates: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from .adakv import AdaKV
+from ..read import attention_probs, group_queries
 from ..store.view import Edit
 from .base import adaptive_head_budgets, chunk_average, plus_protected, priority, recent_mask, sink_mask, top_per_head
 
@@ -53,13 +54,13 @@ class Moments:
     def add(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> Moments:
         """Fold the entries marked in ``evicted`` [B, H, L] of keys/values [B, H, L, d] into the sums."""
         weight = evicted.float()
-        k = keys.float() * weight[..., None]
-        v = values.float() * weight[..., None]
+        k, v = keys.float(), values.float()
+        row = weight[..., None, :]  # [B, H, 1, L]: sums as matrix products
         return Moments(
             count=self.count + weight.sum(-1),
-            key_sum=self.key_sum + k.sum(2),
-            value_sum=self.value_sum + v.sum(2),
-            value_key_sum=self.value_key_sum + torch.einsum("bhld,bhle->bhde", v, k),
+            key_sum=self.key_sum + (row @ k)[..., 0, :],
+            value_sum=self.value_sum + (row @ v)[..., 0, :],
+            value_key_sum=self.value_key_sum + (v * weight[..., None]).transpose(-1, -2) @ k,
             order=self.order,
         )
 
@@ -160,7 +161,7 @@ class MomentKV(AdaKV):
     def eviction_key(self, view, attention: torch.Tensor, moments: Moments, protected, scaling) -> torch.Tensor:
         """Ranking key: a_i·‖r_i‖ (a_i alone while nothing has been evicted), chunk-averaged, protected first."""
         score = attention
-        if self.moment_eviction:
+        if self.moment_eviction and bool((moments.count > 0).any()):
             has_moments = (moments.count > 0)[..., None]
             score = torch.where(has_moments, attention * self.residual_norms(view.keys, view.values, moments, scaling), attention)
         return priority(chunk_average(score, view.valid, self.chunk_size), protected, view.positions, view.valid)
@@ -203,12 +204,13 @@ class MomentKV(AdaKV):
     def _over_budget(self, view, context) -> bool:
         return bool((view.lengths > self.decode_budget(context)[:, None] + self.slack).any())
 
-    def wants_col_sums(self, view, context) -> bool:
-        return True  # the current query's weights score an eviction (every layer acts at once: each must have them)
-
     def decode_step(self, view, context, col_sums) -> Edit | None:
         if not self._over_budget(view, context):
             return None
+        if col_sums is None:  # the current query's weights score the eviction (only now: every `slack` steps)
+            probs = attention_probs(group_queries(context.query, view.shape[1]), view.keys, context.scaling,
+                                    context.query_positions, view.positions, view.valid)
+            col_sums = probs.sum(dim=3).mean(dim=2)
         budgets = self.decode_budget(context)
         recent = torch.full((view.shape[0],), min(self.window, int(budgets.min())), dtype=torch.long)
         protected = recent_mask(view.positions, view.valid, recent) | sink_mask(view.positions, view.valid, self.sinks)

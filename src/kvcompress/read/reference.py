@@ -27,13 +27,12 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
     ``o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})``, computed with the
     running max so that nothing overflows; an empty side (``lse = -inf``) contributes 0.
     """
-    lse = torch.logaddexp(lse_a, lse_b)
-    finite = torch.isfinite(lse)
-    safe = torch.where(finite, lse, torch.zeros_like(lse))
-    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
-    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
-    out = w_a * torch.nan_to_num(out_a) + w_b * torch.nan_to_num(out_b)
-    return out, lse
+    shift = torch.maximum(lse_a, lse_b)
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    w_a, w_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)  # 0 on an empty side
+    total = w_a + w_b
+    out = (w_a[..., None] * torch.nan_to_num(out_a) + w_b[..., None] * torch.nan_to_num(out_b)) / total.clamp(min=1e-30)[..., None]
+    return out, shift + torch.log(total)
 
 
 def masked_logits(

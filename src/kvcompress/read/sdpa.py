@@ -45,7 +45,8 @@ def read_exact(query: torch.Tensor, query_positions: torch.Tensor, view: KVView,
 
 def _folded_bias(query_positions: torch.Tensor, view: KVView, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive float32 mask [B, H, G·q, L] (log-weights, -inf where hidden: padding sits after every
-    real position) and which rows see any entry [B, H, G·q]."""
+    real position) and which rows see any entry [B, H, G·q]; with one query the mask is [B, H, 1, L],
+    shared by the group's rows."""
     b, h, length = view.shape
     q = query_positions.shape[1]
     hidden = view.positions[:, :, None, :] > query_positions[:, None, :, None]  # [B, H, q, L]
@@ -54,8 +55,9 @@ def _folded_bias(query_positions: torch.Tensor, view: KVView, groups: int) -> tu
     else:
         bias = view.log_weights.float()[:, :, None, :].masked_fill(hidden, float("-inf"))
     seen = ~hidden.all(-1)
-    if groups > 1:
+    if groups > 1 and q > 1:
         bias = bias[:, :, None].expand(b, h, groups, q, length).reshape(b, h, groups * q, length)
+    if groups > 1:
         seen = seen[:, :, None].expand(b, h, groups, q).reshape(b, h, groups * q)
     return bias, seen
 
