@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
-from kvcompress.attention import group_queries
-from kvcompress.cache import CompressedCache
+from kvcompress import CompressedCache
+from kvcompress.read import group_queries
 from kvcompress.diagnose import text_ids
 
 
@@ -51,15 +51,14 @@ def key_variance_term(q, keys, evicted):
     return torch.einsum("hgtd,hde,hgte->hgt", q, cov, q)
 
 
-def layer_sources(full_layer, kept_layer, record, scaling):
-    """Relative errors of the five outputs against the full one, the Jensen gap and the evicted mass share."""
+def layer_sources(view, kept, moments, record, scaling):
+    """Relative errors of the five outputs against the full one, the Jensen gap and the evicted mass share.
+    ``view``: the layer uncompressed; ``kept``: compressed; ``moments``: what left."""
     query, key, value, positions, _ = record
-    heads = full_layer.num_kv_heads
-    view = full_layer.padded_view()
+    heads = view.shape[1]
     keys = torch.cat([view.keys[0], key[0]], dim=1).double()  # [H, L + T, d]
     values = torch.cat([view.values[0], value[0]], dim=1).double()
     all_pos = torch.cat([view.positions[0], positions[0][None].expand(heads, -1)], dim=1).long()  # [H, L + T]
-    kept = kept_layer.padded_view()
     kept_pos = kept.positions[0].long().masked_fill(~kept.valid[0] if kept.valid is not None else torch.zeros_like(kept.positions[0], dtype=torch.bool), -1)
     context_len = view.positions.shape[-1]
     retained = torch.zeros(heads, keys.shape[1], dtype=torch.bool)
@@ -70,7 +69,6 @@ def layer_sources(full_layer, kept_layer, record, scaling):
     out_r, lse_r = part(q, keys, values, causal & retained[:, None, None, :], scaling)
     out_e, log_z = part(q, keys, values, causal & ~retained[:, None, None, :], scaling)
     full, _ = part(q, keys, values, causal, scaling)
-    moments = kept_layer.state["moments"]
     est_out, est_log_z = moments.attend(q[None].float(), scaling)
     est_out, est_log_z = est_out[0].double(), est_log_z[0].double()
     gaussian_log_z = est_log_z + 0.5 * scaling**2 * key_variance_term(q, keys[:, :context_len], ~retained[:, :context_len])
@@ -105,11 +103,12 @@ def main() -> None:
         full = shared.fork(shared.method)
         full.recorder = {}
         model(continuation, past_key_values=full, use_cache=True)
-        scaling = full._scaling(full.layers[0])
+        scaling = full.session.layers[0].scaling
+        layers = range(shared.session.num_layers)
         for budget in args.budgets:
             compressed = shared.fork(kvc.get_method("momentkv", budget=budget))
-            per_layer = [layer_sources(shared.layers[i], compressed.layers[i], full.recorder[i], scaling)
-                         for i in range(len(shared.layers))]
+            per_layer = [layer_sources(shared.session.view(i), compressed.session.view(i),
+                                       compressed.session.layers[i].state["moments"], full.recorder[i], scaling) for i in layers]
             mean = {name: sum(p[0][name] for p in per_layer) / len(per_layer) for name in per_layer[0][0]}
             row = {"budget": budget, "rel_error": mean,
                    "jensen_gap": sum(p[1] for p in per_layer) / len(per_layer),

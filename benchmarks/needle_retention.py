@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import kvcompress as kvc
-from kvcompress.cache import CompressedCache
+from kvcompress import CompressedCache
 from kvcompress.eval.tasks import make_task
 from kvcompress.generate import build_prompt, prefill
 from kvcompress.methods import REGISTRY, method_from_spec, parse_method_spec
@@ -29,14 +29,13 @@ def needle_positions(prompt_ids: list[int], answer_ids: list[int]) -> list[int]:
     return list(range(start, start + n))
 
 
-def kept_share(layer, positions: list[int]) -> list[float]:
-    """Per KV head of batch row 0: the share of ``positions`` the layer still holds."""
-    view = layer.padded_view()
+def kept_share(view, positions: list[int]) -> list[float]:
+    """Per KV head of batch row 0: the share of ``positions`` a layer's view still holds."""
     held = view.positions[0].long()
     if view.valid is not None:
         held = held.masked_fill(~view.valid[0], -1)
     wanted = torch.tensor(positions)
-    return [float(torch.isin(wanted, held[h]).float().mean()) for h in range(layer.num_kv_heads)]
+    return [float(torch.isin(wanted, held[h]).float().mean()) for h in range(view.shape[1])]
 
 
 def main() -> None:
@@ -50,18 +49,18 @@ def main() -> None:
     specs = args.methods.split(",")
     methods = [method_from_spec(s, **({"ratio": args.ratio} if REGISTRY[parse_method_spec(s)[0]].needs_budget else {}))
                for s in specs]
-    needs = [m.needs() for m in methods]
     totals = {m.label: [] for m in methods}
     for sample in make_task("niah_single", tokenizer, args.samples, args.context_tokens, seed=0):
         prompt = build_prompt(tokenizer, sample.context, sample.question)
         positions = needle_positions(prompt.ids, tokenizer(sample.answers[0], add_special_tokens=False).input_ids)
-        shared = CompressedCache(model, compress_on_prefill=False, observation_window=max(n.window for n in needs),
-                                 attention_sums=any(n.attention_sums for n in needs), hidden_stats=True)
+        shared = CompressedCache.shared(model, methods)
         with torch.no_grad():
             prefill(model, shared, prompt, True)
             for method in methods:
                 cache = shared.fork(method)
-                totals[method.label].append((cache.stats()["kr"], [kept_share(layer, positions) for layer in cache.layers]))
+                views = [cache.session.view(i) for i in range(cache.session.num_layers)]
+                totals[method.label].append((cache.stats()["kr"], [kept_share(view, positions) for view in views]))
+                cache.release()
     print(f"niah_single, {args.samples} samples, {args.context_tokens} context tokens, query-aware\n")
     print("| method | kr | mean share of the needle kept per head | heads keeping all of it | share per layer (first → last) |")
     print("|---|---|---|---|---|")

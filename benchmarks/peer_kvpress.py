@@ -27,7 +27,7 @@ from pathlib import Path
 
 def run_ours(args) -> None:
     import kvcompress as kvc
-    from kvcompress.cache import CompressedCache
+    from kvcompress import CompressedCache
     from kvcompress.eval.tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, make_task
     from kvcompress.generate import answer, build_prompt, prefill
     from kvcompress.models import embedded_checkpoint
@@ -44,7 +44,7 @@ def run_ours(args) -> None:
             cache = CompressedCache(model, method)
             logits, _ = prefill(model, cache, prompt, False)
             out = answer(model, tokenizer, cache, prompt, logits, max_new_tokens=MAX_NEW_TOKENS[task], query_aware=False)
-            kept = [int(n) for n in cache.layers[0].head_lengths()[0]]
+            kept = [int(n) for n in cache.session.lengths(0)[0]]
             rows.append({"id": sample.id, "task": task, "prefix_ids": prompt.prefix_ids, "suffix_ids": prompt.suffix_ids,
                          "max_new_tokens": MAX_NEW_TOKENS[task], "answers": sample.answers, "ours": out.text,
                          "ours_ids": out.token_ids, "ours_kept_layer0": kept})
