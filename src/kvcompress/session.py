@@ -185,28 +185,42 @@ class Session:
                scaling: float | None = None) -> torch.Tensor:
         """Append a step's entries (keys/values [B, H, q, d] at positions [B, q]), read, let the method
         act: output [B, Hq, q, d]."""
-        layer = self.layers[layer_idx]
-        q = key.shape[2]
+        self.append_step(layer_idx, key, value, positions)
+        view = self.view(layer_idx)
+        result = read(query, positions, view, self.layers[layer_idx].scaling, col_sums=self.wants_col_sums(layer_idx, query, positions))
+        self.after_read(layer_idx, query, positions, result.col_sums, view)
+        return result.out
+
+    def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place."""
         if self._pending and layer_idx <= min(self._pending):
             self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
         self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
-        layer.seen += q
-        layer.tokens_seen = layer.tokens_seen + q
-        view = self.view(layer_idx)
+        layer = self.layers[layer_idx]
+        layer.seen += key.shape[2]
+        layer.tokens_seen = layer.tokens_seen + key.shape[2]
+
+    def wants_col_sums(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether the method needs this step's per-entry column sums from the read."""
+        method = self.method
+        return method.acts_while_decoding and method.wants_col_sums(self.context(layer_idx, query, positions))
+
+    def after_read(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor, col_sums: torch.Tensor | None,
+                   view: KVView | None = None) -> None:
+        """Let the method act on a layer after its read (now, or after the last layer's for a method that
+        acts on every layer at once); ``view`` is the layer's view the read used, if at hand."""
         method = self.method
         if not method.acts_while_decoding:
-            return read(query, positions, view, layer.scaling).out
-        context = self.context(layer_idx, query, positions)
-        result = read(query, positions, view, layer.scaling, col_sums=method.wants_col_sums(view, context))
+            return
         if method.decodes_all_layers:
-            self._pending[layer_idx] = (query, positions, result.col_sums)
+            self._pending[layer_idx] = (query, positions, col_sums)
             if layer_idx == self.num_layers - 1:
                 self._act_on_all_layers()
-            return result.out
-        edit = method.decode_step(view, context, result.col_sums)
+            return
+        edit = method.decode_step(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions),
+                                  col_sums)
         if edit is not None:
             self.apply(layer_idx, edit)
-        return result.out
 
     def _act_on_all_layers(self) -> None:
         """The method's decoding step on every layer at once: one view of all rows, the step's queries

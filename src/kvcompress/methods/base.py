@@ -124,8 +124,8 @@ class Method:
         """What to do to a layer right after its prefill (default: keep everything)."""
         return None
 
-    def wants_col_sums(self, view: KVView, context: LayerContext) -> bool:
-        """Whether this decoding step's read should return per-entry column sums."""
+    def wants_col_sums(self, context: LayerContext) -> bool:
+        """Whether this decoding step's read (its queries in ``context``) should return per-entry column sums."""
         return False
 
     def decode_step(self, view: KVView, context: LayerContext, col_sums: torch.Tensor | None) -> Edit | None:

@@ -54,7 +54,7 @@ class H2O(ScoreMethod):
         recent = (budgets.double() * self.recent_ratio).round().long()
         return recent_mask(view.positions, view.valid, recent) | sink_mask(view.positions, view.valid, self.sinks)
 
-    def wants_col_sums(self, view, context) -> bool:
+    def wants_col_sums(self, context) -> bool:
         return True
 
     def decode_step(self, view, context, col_sums) -> Edit:

@@ -523,7 +523,7 @@ class MergingMethod(SnapKV):
         return counts
 
     # ----- decoding --------------------------------------------------------------------------
-    def wants_col_sums(self, view, context) -> bool:
+    def wants_col_sums(self, context) -> bool:
         return context.query.shape[2] == 1  # several queries at once: their weights are taken one by one
 
     def step_weights(self, view, context, col_sums) -> torch.Tensor:
