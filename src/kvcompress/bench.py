@@ -147,3 +147,59 @@ def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch
                 r[f"{key}_vs_full"] = r[key] / full[key] if full[key] else None
             r["compress_vs_full_prefill"] = r["compress_s"] / full["prefill_s"] if full["prefill_s"] else None
     return rows
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def bench_engine(llm, methods: list[Method | None], *, requests: int, context_tokens: int, max_tokens: int, seed: int = 0,
+                 progress: bool = True) -> list[dict]:
+    """Serve ``requests`` prompts of ``context_tokens`` random tokens (``max_tokens`` new each, end of sequence
+    ignored) with each method on one engine: concurrency, throughput, TTFT and time per output token, with
+    ratios to ``full`` from the same run. ``None`` in ``methods`` is ``full``."""
+    from .engine import SamplingParams
+
+    limit = llm.max_model_len
+    if context_tokens + max_tokens > limit:
+        raise ValueError(f"context_tokens + max_tokens = {context_tokens + max_tokens} exceeds the model's {limit} positions")
+    if requests < 1 or max_tokens < 1:
+        raise ValueError("requests and max_tokens must be ≥ 1")
+    vocab = llm.model.config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(min(100, vocab // 2), vocab, (requests, context_tokens), generator=generator).tolist()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for method in tqdm(methods, desc=f"engine {requests}×{context_tokens}", disable=not progress):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, method=method)
+        wall = time.perf_counter() - start
+        stats = llm.stats()
+        errors = [o.error for o in outs if o.finish_reason == "error"]
+        ttft = [o.stats["ttft_s"] for o in outs if "ttft_s" in o.stats]
+        tpot = [o.stats["decode_ms_per_token"] for o in outs if "decode_ms_per_token" in o.stats]
+        new_tokens = sum(len(o.token_ids) for o in outs)
+        rows.append({
+            "method": method.variant if method is not None else "full",
+            "budget": getattr(method, "budget", None), "ratio": getattr(method, "ratio", None),
+            "requests": requests, "context_tokens": context_tokens, "max_tokens": max_tokens,
+            "kv_memory": stats["pool_capacity_bytes"],
+            "max_concurrent": stats["max_concurrent"],
+            "decode_tokens_per_s": stats["decode_tokens_per_s"],
+            "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
+            "end_to_end_tokens_per_s": new_tokens / wall,
+            "ttft_s_median": _percentile(ttft, 0.5), "ttft_s_p90": _percentile(ttft, 0.9),
+            "tpot_ms_median": _percentile(tpot, 0.5), "tpot_ms_p90": _percentile(tpot, 0.9),
+            "preemptions": stats["preemptions"], "pool_peak_bytes": stats["pool_peak_bytes"],
+            "pool_used_bytes_after": stats["pool_used_bytes"], "errors": len(errors), "wall_s": wall,
+            "kr": sum(o.stats.get("kr", 1.0) for o in outs) / len(outs),
+        })
+    full = next((r for r in rows if r["method"] == "full"), None)
+    if full is not None:
+        for r in rows:
+            for key in ("max_concurrent", "decode_tokens_per_s", "end_to_end_tokens_per_s", "ttft_s_median", "tpot_ms_median"):
+                r[f"{key}_vs_full"] = r[key] / full[key] if full[key] else None
+    return rows

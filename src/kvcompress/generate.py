@@ -59,7 +59,7 @@ def build_prompt(tokenizer, context: str, question: str) -> Prompt:
     return Prompt(prefix, suffix)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model, tokenizer) -> set[int]:
     ids = model.generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if tokenizer.eos_token_id is not None:
@@ -133,7 +133,7 @@ def answer(
             torch.tensor([prompt.suffix_ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1
         ).logits
     question_s = time.perf_counter() - start
-    token_ids, decode_s = _greedy(model, cache, logits, max_new_tokens, _eos_ids(model, tokenizer))
+    token_ids, decode_s = _greedy(model, cache, logits, max_new_tokens, eos_ids(model, tokenizer))
     end = cache.stats()
     stats = {
         "method": cache.method.label,

@@ -144,6 +144,15 @@ class Method:
         return {}
 
     # ----- budgets --------------------------------------------------------------------------
+    def kept_per_head(self, context_tokens: int) -> int | None:
+        """Entries per KV head (on average over layers) the method keeps of a prompt of ``context_tokens``,
+        or None when it cannot say before seeing the prompt (it may keep everything)."""
+        if not self.needs_budget:
+            return None
+        if self.budget is not None:
+            return min(self.budget, context_tokens)
+        return max(1, int(context_tokens * self.ratio + 1e-9))
+
     def row_budgets(self, context: LayerContext) -> torch.Tensor:
         """Entries per KV head for each batch row [B] (int64): the budget, or ⌊ratio × real tokens⌋
         (floored, as kvpress does, so that both keep the same number of entries)."""

@@ -274,6 +274,33 @@ class SlotTable:
             summary=summary,
         )
 
+    @staticmethod
+    def joint_view(pool: SlotPool, parts: list[tuple[SlotTable, Rows, object]]) -> KVView:
+        """One view over rows of several tables (the engine's running requests), [Σ r, H, L]: ``parts``
+        are (table, rows, summary). Heads are padded to the longest of all; log-weights where a table has
+        them (0 elsewhere); each part's summary applies to its own rows."""
+        spans = [table.span(rows) for table, rows, _ in parts]
+        longest = max(span[0] for span in spans)
+        tables = [(table, _all(rows)) for table, rows, _ in parts]
+        ids = torch.cat([_padded(table.ids[rows, :, : span[0]], longest, PAD_IDS) for (table, rows), span in zip(tables, spans)])
+        log_weights = None
+        if any(table.LOG_WEIGHTS in table.columns for table, _ in tables):
+            log_weights = torch.cat([
+                _padded(table.weights[rows, :, : span[0], table.columns.index(table.LOG_WEIGHTS)], longest, 0.0)
+                if table.LOG_WEIGHTS in table.columns else torch.zeros(*table.ids[rows].shape[:2], longest, device=ids.device)
+                for (table, rows), span in zip(tables, spans)
+            ])
+        summaries = [summary for _, _, summary in parts]
+        slots = ids[..., 0]
+        return KVView(
+            ids[..., 1].long(),
+            torch.cat([table.lengths[rows] for table, rows in tables]),
+            uniform=all(span == (longest, True) for span in spans),
+            load=lambda index: pool.gather(slots if index is None else slots.gather(-1, index)),
+            log_weights=log_weights,
+            summary=None if all(s is None for s in summaries) else RowSummaries(summaries, [table.ids[rows].shape[0] for table, rows in tables]),
+        )
+
     # ----- writing -------------------------------------------------------------------------
     @_plain_tensors
     def append(self, pool: SlotPool, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -443,6 +470,40 @@ class SlotTable:
         if self.weights is not None:
             self.weights[rows] = 0.0
         self.lengths[rows] = 0
+
+
+class RowSummaries:
+    """Summaries of consecutive groups of rows (None: nothing left there) as one ``Summary`` over all rows."""
+
+    def __init__(self, parts: list, sizes: list[int]):
+        self.parts, self.sizes = parts, sizes
+
+    def attend(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        outs, lses, start = [], [], 0
+        for summary, size in zip(self.parts, self.sizes):
+            rows = query[start : start + size]
+            start += size
+            if summary is None:
+                outs.append(torch.zeros(rows.shape, dtype=torch.float32, device=rows.device))
+                lses.append(torch.full(rows.shape[:-1], float("-inf"), device=rows.device))
+            else:
+                out, lse = summary.attend(rows, scaling)
+                outs.append(out)
+                lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.parts if s is not None)
+
+
+def _padded(array: torch.Tensor, length: int, fill) -> torch.Tensor:
+    """[r, H, L, ...] → [r, H, length, ...] (``fill`` after each head's L columns)."""
+    if array.shape[2] == length:
+        return array
+    out = torch.empty(*array.shape[:2], length, *array.shape[3:], dtype=array.dtype, device=array.device)
+    out[...] = fill.to(array.device) if isinstance(fill, torch.Tensor) else fill
+    out[:, :, : array.shape[2]] = array
+    return out
 
 
 def _all(rows: Rows) -> slice:

@@ -1,0 +1,112 @@
+"""The model runner: prefill one request into its session; decode every running request in one forward.
+
+A prefill runs the transformers model over one prompt with a ``CompressedCache`` on the
+engine's pool: the session compresses each layer as it goes (the method's plan). A decoding
+step runs the model once over the last token of every running request; in each layer the
+``kvcompress`` attention function hands the batch to ``_BatchCache.attend``, which appends
+each request's new entries to its own slot tables, reads all of them in one batched read
+over one joint view (their heads padded to the longest), and lets each request's method act
+on its own rows. Requests keep their own positions, methods and budgets.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..hf.cache import ATTENTION_NAME, CompressedCache
+from ..models import attention_modules
+from ..read import read
+from ..session import Session
+from ..store.slots import SlotPool, SlotTable
+from .request import Request
+
+
+class _FixedLengthLayer(CacheLayerMixin):
+    """What transformers asks of a cache layer during a batched decoding step (the kvcompress attention
+    ignores the mask: causality comes from each entry's position)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
+        raise RuntimeError("the engine's layers are written by the kvcompress attention function")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
+        return query_length, 0
+
+    def get_seq_length(self) -> int:  # noqa: D102
+        return 0
+
+    def get_max_length(self) -> int:  # noqa: D102
+        return -1
+
+
+class _BatchCache(Cache):
+    """One decoding step over many sessions (one per request, each with its own method)."""
+
+    def __init__(self, runner: ModelRunner, sessions: list[Session]):
+        self.runner, self.sessions = runner, sessions
+        super().__init__(layers=[_FixedLengthLayer() for _ in range(runner.num_layers)])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.runner.modules[layer_idx]._kvcompress_pending = (self, layer_idx)
+        return key_states, value_states
+
+    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids) -> torch.Tensor:
+        return self.runner.decode_layer(self.sessions, layer_idx, query, key, value, position_ids, scaling)
+
+
+class ModelRunner:
+    """Runs the model for the engine over one slot pool."""
+
+    def __init__(self, model, pool: SlotPool):
+        self.model, self.pool = model, pool
+        self.modules = attention_modules(model)
+        self.num_layers = len(self.modules)
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def prefill(self, request: Request) -> torch.Tensor:
+        """Prefill the request's tokens into a new session on the pool (compressed by its method); the
+        next-token logits [V]."""
+        cache = CompressedCache(self.model, request.method, pool=self.pool)
+        ids = torch.tensor([request.tokens], device=self.device)
+        try:
+            logits = self.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        except BaseException:
+            cache.session.release()  # a prefill that did not fit leaves nothing behind
+            raise
+        request.session = cache.session
+        return logits[0, -1]
+
+    @torch.inference_mode()
+    def decode(self, requests: list[Request]) -> torch.Tensor:
+        """One token for every request (its last one in, at its own position): next-token logits [R, V]."""
+        ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)
+        positions = torch.tensor([[len(r.tokens) - 1] for r in requests], device=self.device)
+        cache = _BatchCache(self, [r.session for r in requests])
+        if self.model.config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError("the model left the kvcompress attention implementation")
+        return self.model(ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    def decode_layer(self, sessions: list[Session], layer_idx: int, query, key, value, positions, scaling) -> torch.Tensor:
+        """One layer of a decoding step: append each request's entries, one batched read, then each method acts."""
+        for r, session in enumerate(sessions):
+            session.append_step(layer_idx, key[r : r + 1], value[r : r + 1], positions[r : r + 1])
+        parts = [(s.table, s.rows(layer_idx), s.layers[layer_idx].summary) for s in sessions]
+        view = SlotTable.joint_view(self.pool, parts)
+        wants = [s.wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]
+        result = read(query, positions, view, scaling, col_sums=any(wants))
+        for r, session in enumerate(sessions):
+            sums = None
+            if wants[r]:
+                sums = result.col_sums[r : r + 1, :, : int(session.lengths(layer_idx).max())]
+            session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums)
+        return result.out
+
+
+__all__ = ["ModelRunner"]

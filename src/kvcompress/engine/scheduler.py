@@ -1,0 +1,115 @@
+"""Which requests run: admission by compressed size, continuous batching, preemption.
+
+Memory is counted in pool slots (one slot = one entry of one KV head at one layer). A request
+is admitted when the pool can hold its prefill — the prompt of the layer being compressed,
+plus what the method keeps of every layer — on top of the decoding room reserved for the
+requests already running; its own decoding room is reserved from then on. A method whose
+size is unknown before it has seen the prompt (GVote, ``full``) reserves the whole prompt.
+When a decoding step would not fit (a method kept more than expected), the newest running
+request is preempted: its slots are freed and it waits again, to be recomputed from its
+prompt and the tokens it already has. A prompt that cannot fit even in an empty pool
+finishes with an error (that request alone).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..store.slots import SlotPool
+from .request import Request, Status
+
+
+class Scheduler:
+    """Waiting and running requests over one slot pool (nano-vllm's scheduler, sized in slots)."""
+
+    def __init__(self, pool: SlotPool, num_layers: int, num_kv_heads: int, max_num_seqs: int):
+        self.pool = pool
+        self.per_token = num_layers * num_kv_heads  # slots one token takes in every layer and head
+        self.num_kv_heads = num_kv_heads
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    # ----- sizes ----------------------------------------------------------------------------------
+    def kept(self, request: Request) -> int:
+        """Entries per head and layer the method keeps of the request's tokens (all of them when unknown)."""
+        n = len(request.tokens)
+        kept = request.method.kept_per_head(n)
+        return n if kept is None else min(n, kept)
+
+    def peak(self, request: Request) -> int:
+        """Slots the request needs while its prompt is prefilled and compressed."""
+        n, kept = len(request.tokens), self.kept(request)
+        if kept >= n:
+            return n * self.per_token
+        return kept * self.per_token + (n + kept) * self.num_kv_heads  # one layer's prompt (+ rewritten entries) at a time
+
+    def growth(self, request: Request) -> int:
+        """Slots the request may still take while decoding: a token per layer and head per step."""
+        return (request.params.max_tokens - len(request.output_ids)) * self.per_token
+
+    def step_room(self, requests: list[Request]) -> int:
+        """Slots a decoding step may take at once: a new entry and a rewritten one per layer and head."""
+        return 2 * self.per_token * len(requests)
+
+    # ----- queues ---------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if self.peak(request) + self.growth(request) > self.pool.capacity:
+            request.finish("error", f"the prompt ({len(request.prompt_ids)} tokens) and max_tokens "
+                                    f"({request.params.max_tokens}) need {self.peak(request) + self.growth(request)} KV slots "
+                                    f"but the pool holds {self.pool.capacity}: raise kv_memory, shorten the prompt, lower "
+                                    f"max_tokens or keep less (a smaller budget or ratio)")
+            return
+        self.waiting.append(request)
+
+    def admit_next(self) -> Request | None:
+        """The first waiting request, moved to running, if it fits beside the running ones (prefilled
+        requests hold their real slots; their decoding room is reserved); None otherwise. Arrival order:
+        none overtakes a waiting one."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return None
+        request = self.waiting[0]
+        reserved = sum(self.growth(r) for r in self.running) + self.step_room(self.running)
+        if self.pool.num_free - reserved < self.peak(request) + self.step_room([request]):
+            return None
+        self.waiting.popleft()
+        request.status = Status.RUNNING
+        self.running.append(request)
+        return request
+
+    def make_room(self) -> list[Request]:
+        """Preempt the newest running requests until a decoding step of the rest fits; returns them."""
+        preempted = []
+        while len(self.running) > 1 and self.pool.num_free < self.step_room(self.running):
+            preempted.append(self.preempt(self.running[-1]))
+        return preempted
+
+    def preempt(self, request: Request) -> Request:
+        """Free a running request's slots and put it first in line again (it will be recomputed)."""
+        self.running.remove(request)
+        if request.session is not None:
+            request.session.release()
+            request.session = None
+        request.status = Status.WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+        return request
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """A request is done: its slots go back to the pool."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.session is not None:
+            request.session.release()
+            request.session = None
+        request.finish(reason, error)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+__all__ = ["Scheduler"]

@@ -1,0 +1,202 @@
+"""The engine: exact tokens against transformers and the single-request cache, continuous batching,
+admission by compressed size, preemption, sampling, bad input, pool accounting."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import tiny_model
+from conftest import tiny_tokenizer
+import kvcompress as kvc
+from kvcompress.engine import SamplingParams
+
+# Batched fp32 matrix products round differently from batch-1 ones (≈1e-6 relative), so a random
+# tiny model — whose next-token logits are nearly tied — could pick another token. The output layer
+# is sharpened (×40) so that every greedy choice has a margin far above that rounding.
+SHARP = 40.0
+
+
+def sharp_model(seed=1, layers=2):
+    model = tiny_model(seed=seed, layers=layers)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(SHARP)
+    return model
+
+
+def make_llm(model, kv_memory="4MiB", max_num_seqs=8, **kw):
+    return kvc.LLM(model_and_tokenizer=(model, tiny_tokenizer()), kv_memory=kv_memory, max_num_seqs=max_num_seqs, **kw)
+
+
+def prompts_of(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
+
+
+def reference(model, prompt, new, method=None):
+    cache = None if method is None else kvc.CompressedCache(model, method)
+    out = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run_staggered(llm, prompts, params, method=None, every=2):
+    """Requests arrive one every ``every`` steps (joining the running batch between decoding steps)."""
+    ids, pending, steps = [], list(prompts), 0
+    while pending or llm.has_unfinished():
+        if pending and steps % every == 0:
+            ids.append(llm.add_request(pending.pop(0), params, method))
+        llm.step()
+        steps += 1
+    return [llm.output(i) for i in ids]
+
+
+def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_steps():
+    model = sharp_model()
+    llm = make_llm(model)
+    prompts = prompts_of([40, 95, 12, 70, 33])
+    outs = run_staggered(llm, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(model, prompt, 12) and out.finish_reason == "length"
+        assert out.prompt_token_ids == prompt
+    assert llm.stats()["max_concurrent"] >= 3
+    assert llm.pool.num_used == 0 and llm.stats()["pool_used_bytes"] == 0
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "streamingllm", "h2o", "momentkv", "keepkv", "cam", "gvote"])
+def test_compressing_methods_equal_the_single_request_cache(name):
+    model = sharp_model(seed=2)
+    method = kvc.get_method(name) if name == "gvote" else kvc.get_method(name, budget=20, **({} if name in ("streamingllm", "h2o") else {"window": 8}))
+    llm = make_llm(model)
+    prompts = prompts_of([64, 90, 41], seed=3)
+    outs = run_staggered(llm, prompts, SamplingParams(max_tokens=10, ignore_eos=True), method, every=3)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(model, prompt, 10, method), name
+        assert out.stats["kr"] < 1.0 or name == "gvote"
+    assert llm.pool.num_used == 0
+
+
+def test_admission_by_compressed_size_fits_more_requests():
+    model = sharp_model()
+    per_token = 2 * 2  # layers × KV heads
+    memory = 128 * per_token * 260  # slots of 2·16·4 bytes: room for about two 100-token prompts in full
+    prompts = prompts_of([100] * 6, seed=4)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    full = make_llm(model, kv_memory=memory)
+    full.generate(prompts, params)
+    snap = make_llm(model, kv_memory=memory)
+    outs = snap.generate(prompts, params, method=kvc.get_method("snapkv", budget=12, window=4))
+    assert full.stats()["max_concurrent"] == 2 and full.stats()["preemptions"] == 0
+    assert snap.stats()["max_concurrent"] == 6
+    assert all(len(o.token_ids) == 8 for o in outs) and snap.pool.num_used == 0
+
+
+def test_preempted_requests_are_recomputed_and_complete():
+    """A method that keeps more than estimated (GVote reserves the prompt, but full decoding grows): with a
+    tight pool the newest request is preempted, recomputed, and still answers exactly as alone."""
+    model = sharp_model(seed=3)
+    per_token = 4
+    llm = make_llm(model, kv_memory=128 * per_token * 150)
+    prompts = prompts_of([60, 60, 60], seed=5)
+    llm.scheduler.growth = lambda request: 0  # reserve nothing for decoding: the pool must run short
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert llm.stats()["preemptions"] > 0
+    assert any(o.stats["preemptions"] > 0 for o in outs)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(model, prompt, 20)  # full: recomputing changes nothing
+    assert llm.pool.num_used == 0
+
+
+def test_a_prompt_that_can_never_fit_fails_alone():
+    model = sharp_model()
+    llm = make_llm(model, kv_memory=128 * 4 * 120)
+    prompts = prompts_of([20, 200, 30], seed=6)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "KV slots" in outs[1].error and "kv_memory" in outs[1].error and outs[1].token_ids == []
+    assert llm.pool.num_used == 0
+
+
+def test_bad_input_raises_before_anything_is_queued():
+    model = sharp_model()
+    llm = make_llm(model)
+    used = llm.pool.num_used
+    for prompts, params, match in [
+        ([[]], SamplingParams(), "empty prompt"),
+        ([[5] * 600], SamplingParams(max_tokens=4), "exceeds the model's 512 positions"),
+        ([[5] * 10, [500]], SamplingParams(), r"token ids must be in \[0, 128\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(prompts, params)
+        assert not llm.has_unfinished() and llm.pool.num_used == used
+    with pytest.raises(ValueError, match="budget must be a positive"):
+        llm.generate([[5] * 10], SamplingParams(), method=kvc.get_method("snapkv", budget=0))
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"seed": "x"}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="2 methods for 1 prompts"):
+        llm.generate([[5] * 10], method=[kvc.get_method("full"), kvc.get_method("full")])
+    with pytest.raises(ValueError, match="cannot read memory size"):
+        make_llm(model, kv_memory="lots")
+
+
+def test_sampling_is_reproducible_per_request_alone_or_batched():
+    model = tiny_model(seed=4)
+    llm = make_llm(model)
+    prompts = prompts_of([30, 50, 20], seed=7)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=123, ignore_eos=True)
+    batched = llm.generate(prompts, params)
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    other = llm.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True))
+    greedy = llm.generate(prompts[:1], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert other[0].token_ids != batched[0].token_ids and greedy[0].token_ids != batched[0].token_ids
+    nucleus = llm.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=5.0, top_p=1e-6, seed=9, ignore_eos=True))
+    assert nucleus[0].token_ids == greedy[0].token_ids  # a vanishing nucleus holds only the top token
+
+
+def test_stop_strings_and_end_of_sequence_finish_a_request():
+    model = sharp_model()
+    llm = make_llm(model)
+    prompt = prompts_of([30], seed=8)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    words = full.text.split()
+    stop = words[2]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and stop not in out.text and full.text.startswith(out.text)
+    eos = tiny_tokenizer().eos_token_id
+    if eos in full.token_ids:
+        ended = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
+        assert ended.finish_reason == "stop" and ended.token_ids[-1] == eos
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(3, 90), min_size=1, max_size=6), max_tokens=st.lists(st.integers(1, 12), min_size=6, max_size=6),
+       memory=st.sampled_from([128 * 4 * 120, 128 * 4 * 260, 128 * 4 * 2000]), abort=st.integers(-1, 5), seed=st.integers(0, 100))
+def test_pool_accounting_never_leaks(lengths, max_tokens, memory, abort, seed):
+    """Random arrivals, lengths, lengths of answers, methods, aborts and pool sizes (preemptions included):
+    the slots in use are always exactly those the running requests hold, and all come back."""
+    model = MODEL
+    llm = make_llm(model, kv_memory=memory, max_num_seqs=4)
+    methods = [kvc.get_method("snapkv", budget=8, window=4), None, kvc.get_method("h2o", budget=10),
+               kvc.get_method("keepkv", budget=9, window=4)]
+    prompts = prompts_of(lengths, seed=seed)
+    ids = []
+    for step in range(200):
+        if step < len(prompts):
+            params = SamplingParams(max_tokens=max_tokens[step], ignore_eos=True)
+            ids.append(llm.add_request(prompts[step], params, methods[step % len(methods)]))
+        if step == 2 and 0 <= abort < len(ids):
+            llm.abort(ids[abort])
+        llm.step()
+        held = sum(int(r.session.table.held_slots().numel()) for r in llm.scheduler.running if r.session is not None)
+        assert llm.pool.num_used == held
+        if step >= len(prompts) and not llm.has_unfinished():
+            break
+    assert not llm.has_unfinished()
+    assert llm.pool.num_used == 0 and int(llm.pool.refs.sum()) == 0
+    for i in ids:
+        out = llm.output(i)
+        assert out.finish_reason in ("length", "abort", "error")
+
+
+MODEL = sharp_model(seed=5)
