@@ -149,6 +149,18 @@ def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch
     return rows
 
 
+def bandwidth_bound(model, context_tokens: int, kr: float) -> float:
+    """The decode speedup memory traffic allows one stream: (W + KV) / (W + kr·KV), W the weights' bytes
+    and KV the full cache's bytes of ``context_tokens`` (a step reads both once)."""
+    from .models import model_facts
+
+    facts = model_facts(model)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    element = next(model.parameters()).element_size()
+    kv = 2 * facts.num_layers * facts.num_kv_heads * facts.head_dim * element * context_tokens
+    return (weights + kv) / (weights + kr * kv)
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None

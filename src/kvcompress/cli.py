@@ -201,6 +201,8 @@ def cmd_bench(args) -> int:
     from .bench import bench
     from .eval.report import write_json
 
+    if args.engine:
+        return _bench_engine(args)
     methods = _grid(args)
     model, tokenizer = load_model(args.model, device=args.device)
     out = _out_dir(args)
@@ -222,6 +224,38 @@ def cmd_bench(args) -> int:
               f"{r['peak_bytes'] / 2**20:.0f} | "
               f"{r.get('prefill_s_vs_full') or 0:.2f} | {r.get('decode_ms_per_token_vs_full') or 0:.2f} | "
               f"{r.get('kv_bytes_vs_full') or 0:.3f} | {r.get('compress_vs_full_prefill') or 0:.3f} |")
+    print(f"results in {out / 'bench.json'}")
+    return 0
+
+
+def _bench_engine(args) -> int:
+    """``bench --engine``: many requests served at once on one KV pool, each method against full."""
+    from . import LLM
+    from .bench import bench_engine, bandwidth_bound
+    from .eval.report import write_json
+
+    methods = [None if m.name == "full" else m for m in _grid(args)]
+    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=args.device, seed=args.seed)
+    out = _out_dir(args)
+    rows = []
+    for tokens in [int(x) for x in args.context_tokens.split(",")]:
+        rows += bench_engine(llm, methods, requests=args.requests, context_tokens=tokens, max_tokens=args.max_tokens,
+                             seed=args.seed, progress=not args.quiet)
+    for row in rows:
+        row["bandwidth_bound"] = bandwidth_bound(llm.model, row["context_tokens"], row["kr"])
+    settings = {k: getattr(args, k) for k in ("methods", "context_tokens", "requests", "max_tokens", "kv_memory", "max_num_seqs", "device")}
+    write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
+               device=str(llm.model.device), threads=torch.get_num_threads())
+    print("| context | method | size | kr | max concurrent | decode tok/s | prefill tok/s | end-to-end tok/s | TTFT s (median/p90) | "
+          "TPOT ms (median/p90) | preemptions | concurrent ×full | decode tok/s ×full | bandwidth bound |")
+    print("|" + "---|" * 14)
+    for r in rows:
+        size = r["budget"] if r["budget"] is not None else (f"{r['ratio']:g}" if r["ratio"] is not None else "—")
+        print(f"| {r['context_tokens']} | {r['method']} | {size} | {r['kr']:.3f} | {r['max_concurrent']} | "
+              f"{r['decode_tokens_per_s']:.1f} | {r['prefill_tokens_per_s']:.0f} | {r['end_to_end_tokens_per_s']:.2f} | "
+              f"{r['ttft_s_median']:.1f} / {r['ttft_s_p90']:.1f} | {r['tpot_ms_median']:.0f} / {r['tpot_ms_p90']:.0f} | "
+              f"{r['preemptions']} | {r.get('max_concurrent_vs_full') or 0:.1f} | {r.get('decode_tokens_per_s_vs_full') or 0:.2f} | "
+              f"{r['bandwidth_bound']:.2f} |")
     print(f"results in {out / 'bench.json'}")
     return 0
 
@@ -301,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-tokens", type=int, default=32)
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--device", default="cpu")
+    b.add_argument("--engine", action="store_true", help="serve --requests prompts at once on one KV pool (kvc.LLM)")
+    b.add_argument("--requests", type=int, default=16, help="--engine: prompts served together (default: 16)")
+    b.add_argument("--max-tokens", type=int, default=48, help="--engine: new tokens per request (default: 48)")
+    b.add_argument("--kv-memory", default="200MiB", help="--engine: size of the KV pool (default: 200MiB)")
+    b.add_argument("--max-num-seqs", type=int, default=64, help="--engine: requests decoded together at most (default: 64)")
     b.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("report", help="merge comparable eval runs into one table and plot")

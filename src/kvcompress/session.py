@@ -191,11 +191,16 @@ class Session:
         self.after_read(layer_idx, query, positions, result.col_sums, view)
         return result.out
 
-    def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place."""
+    def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor | None = None) -> None:
+        """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place;
+        ``slots`` [B, H, q]: the entries are already in the pool there (the engine writes a batch at once)."""
         if self._pending and layer_idx <= min(self._pending):
             self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
-        self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
+        if slots is None:
+            self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
+        else:
+            self.table.append_written(slots, positions, rows=self.rows(layer_idx))
         layer = self.layers[layer_idx]
         layer.seen += key.shape[2]
         layer.tokens_seen = layer.tokens_seen + key.shape[2]

@@ -95,8 +95,12 @@ class ModelRunner:
 
     def decode_layer(self, sessions: list[Session], layer_idx: int, query, key, value, positions, scaling) -> torch.Tensor:
         """One layer of a decoding step: append each request's entries, one batched read, then each method acts."""
+        count, heads, q, dim = key.shape
+        slots = self.pool.allocate(count * heads * q)  # every request's new entries written at once
+        self.pool.write(slots, key.reshape(-1, dim), value.reshape(-1, dim))
+        slots = slots.view(count, heads, q)
         for r, session in enumerate(sessions):
-            session.append_step(layer_idx, key[r : r + 1], value[r : r + 1], positions[r : r + 1])
+            session.append_step(layer_idx, key[r : r + 1], value[r : r + 1], positions[r : r + 1], slots[r : r + 1])
         parts = [(s.table, s.rows(layer_idx), s.layers[layer_idx].summary) for s in sessions]
         view = SlotTable.joint_view(self.pool, parts)
         wants = [s.wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]

@@ -332,6 +332,20 @@ class SlotTable:
             ids = _aligned(torch.stack([slots.to(torch.int32), positions[valid].to(torch.int32)], dim=-1), aligned, PAD_IDS)
             if weights is not None:
                 weights = _aligned(weights[valid], aligned, 0.0)
+        self._record(ids, added, weights, rows)
+
+    @_plain_tensors
+    def append_written(self, slots: torch.Tensor, positions: torch.Tensor, rows: Rows = None) -> None:
+        """Record entries already written to the pool (``slots`` [r, H, q] at positions [r, q]: a batch of
+        requests written at once) after each head's last entry of ``rows``."""
+        r, h, q = slots.shape
+        ids = torch.stack([slots.to(torch.int32), positions[:, None, :].expand(r, h, q).to(torch.int32)], dim=-1)
+        self._record(ids, None, None, _all(rows))
+
+    def _record(self, ids: torch.Tensor, added: torch.Tensor | None, weights: torch.Tensor | None, rows: slice) -> None:
+        """Put new (slot, position) rows ids [r, H, q, 2] after each head's last entry (``added`` [r, H] of
+        them per head, left-aligned; None = all q); ``weights`` [r, H, q, C] (None: zeros)."""
+        r, h, q, _ = ids.shape
         longest, uniform = self.span(rows)
         self._reserve(longest + q)
         if uniform and added is None:  # every head as long: the new entries go in one block of columns
