@@ -260,6 +260,28 @@ def _bench_engine(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible server over the engine (needs the ``serve`` extra: FastAPI, uvicorn)."""
+    try:
+        from .serve import run
+        from .serve.protocol import Limits
+    except ImportError as error:
+        raise ValueError(f"kvcompress serve needs FastAPI and uvicorn: pip install 'kvcompress[serve]' ({error})") from None
+    from . import LLM
+
+    method = _method(args.method, args.budget, args.ratio)
+    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=args.device, seed=args.seed,
+              max_model_len=args.max_model_len)
+    limits = Limits(max_prompt_tokens=args.max_prompt_tokens or llm.max_model_len - 1,
+                    max_tokens=args.max_tokens_limit or llm.max_model_len - 1)
+    name = args.served_model_name or _model_name(args)
+    print(f"serving {name} with {method.label} on http://{args.host}:{args.port} (KV pool {llm.pool.capacity_bytes / 2**20:.0f} MiB)",
+          file=sys.stderr)
+    run(llm, model_name=name, method=method, host=args.host, port=args.port, limits=limits, max_queued=args.max_queued,
+        log_level="warning" if args.quiet else "info")
+    return 0
+
+
 def cmd_methods(args) -> int:
     """List the registered methods with their papers."""
     for name in available_methods():
@@ -348,6 +370,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=None, help="model name for the title")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=cmd_report)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server over the engine")
+    common(sv)
+    sv.add_argument("--method", default="full", help="default method of requests without kv_compression (options after colons)")
+    size = sv.add_mutually_exclusive_group()
+    size.add_argument("--budget", type=int, help="entries per KV head of the default method")
+    size.add_argument("--ratio", type=float, help="fraction of context entries the default method keeps")
+    sv.add_argument("--kv-memory", default="1GiB", help="size of the KV pool (default: 1GiB)")
+    sv.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most (default: 64)")
+    sv.add_argument("--max-model-len", type=int, default=None, help="prompt + answer tokens at most (default: the model's)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the model's)")
+    sv.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: the model's)")
+    sv.add_argument("--max-queued", type=int, default=256, help="requests queued or running before 429 (default: 256)")
+    sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model or the embedded one)")
+    sv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000, help="default: 8000")
+    sv.add_argument("--device", default="cpu", help="default: cpu")
+    sv.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("methods", help="list the methods")
     m.set_defaults(func=cmd_methods)

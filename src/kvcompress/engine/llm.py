@@ -79,7 +79,7 @@ class LLM:
         prompts = list(prompts)
         methods = self._methods(method, len(prompts))
         params = sampling_params or SamplingParams()
-        checked = [self._check(prompt, params) for prompt in prompts]
+        checked = [self.check_prompt(prompt, params) for prompt in prompts]
         self._reset_stats()
         requests = [self._add(ids, params, m) for ids, m in zip(checked, methods)]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="request")
@@ -94,8 +94,20 @@ class LLM:
                     method: Method | str | None = None) -> int:
         """Queue one request (checked first); its id. ``step`` advances it, ``output`` reads it."""
         params = sampling_params or SamplingParams()
-        ids = self._check(prompt, params)
+        ids = self.check_prompt(prompt, params)
         return self._add(ids, params, self._methods(method, 1)[0]).id
+
+    def request(self, request_id: int) -> Request | None:
+        """A request the engine still knows (running, waiting, or finished and not yet read)."""
+        return self._requests.get(request_id)
+
+    def check_fits(self, prompt_ids: list[int], sampling_params: SamplingParams, method: Method) -> None:
+        """Refuse a request that could not fit in the pool even alone (a clear error, nothing queued)."""
+        probe = Request(-1, list(prompt_ids), sampling_params, method)
+        need = self.scheduler.peak(probe) + self.scheduler.growth(probe)
+        if need > self.pool.capacity:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({sampling_params.max_tokens}) need {need} "
+                             f"KV slots but the pool holds {self.pool.capacity}: shorten the prompt, lower max_tokens or keep less")
 
     def abort(self, request_id: int) -> None:
         """Stop a request now; its slots go back to the pool."""
@@ -181,7 +193,7 @@ class LLM:
             raise ValueError(f"{len(methods)} methods for {count} prompts: give one method, or one per prompt")
         return methods
 
-    def _check(self, prompt, params: SamplingParams) -> list[int]:
+    def check_prompt(self, prompt, params: SamplingParams) -> list[int]:
         """Token ids of a prompt, refused with a clear error when empty or too long."""
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=False).input_ids

@@ -1,0 +1,32 @@
+"""``kvcompress serve``: an OpenAI-compatible HTTP server over the engine (needs ``pip install kvcompress[serve]``).
+
+    kvcompress serve --method snapkv --ratio 0.1 --kv-memory 1GiB --host 127.0.0.1 --port 8000
+
+``run`` starts uvicorn on ``build_app``; SIGTERM (or Ctrl-C) stops accepting at once, lets
+running requests finish for ``grace_s`` seconds, aborts the rest and exits.
+"""
+
+from __future__ import annotations
+
+
+def run(llm, *, model_name: str, method, host: str = "127.0.0.1", port: int = 8000, limits=None, max_queued: int = 256,
+        grace_s: float = 8.0, log_level: str = "info") -> None:
+    """Serve ``llm`` until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    from .app import build_app
+
+    app = build_app(llm, model_name=model_name, method=method, limits=limits, max_queued=max_queued, grace_s=grace_s / 2)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # stop taking requests the moment the signal comes
+            loop = app.state.engine.get("loop")
+            if loop is not None:
+                loop.stop_accepting()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s / 2)
+    Server(config).run()
+
+
+__all__ = ["run"]

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible server on loopback: the official client, streaming, per-request compression,
+bad input as 4xx JSON errors, disconnects, limits, metrics, a concurrent load test and SIGTERM."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from common import tiny_model
+from conftest import tiny_tokenizer
+import kvcompress as kvc
+from kvcompress.serve.app import build_app
+from kvcompress.serve.protocol import Limits
+
+MODEL_NAME = "tiny"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1 {% endif %}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A uvicorn server in a thread (the engine's loop in its own)."""
+
+    def __init__(self, method=None, kv_memory="8MiB", max_queued=64, limits=None):
+        model = tiny_model(seed=7)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(40.0)  # sharp logits: greedy answers do not depend on batching
+        tokenizer = tiny_tokenizer()
+        tokenizer.chat_template = CHAT_TEMPLATE
+        self.llm = kvc.LLM(model_and_tokenizer=(model, tokenizer), kv_memory=kv_memory, max_num_seqs=16)
+        self.app = build_app(self.llm, model_name=MODEL_NAME, method=method or kvc.get_method("snapkv", budget=24, window=8),
+                             limits=limits or Limits(max_prompt_tokens=400, max_tokens=64), max_queued=max_queued, grace_s=2.0)
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics").text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server()
+    yield srv
+    srv.stop()
+
+
+def words(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(2, 60, (n,), generator=gen))
+
+
+def test_models_health_and_a_completion(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    out = server.client.completions.create(model=MODEL_NAME, prompt=words(50), max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens >= 1
+    usage = out.usage.model_dump()
+    assert usage["prompt_tokens"] == 50 and 0 < usage["kv_bytes"] < usage["kv_bytes_full"]  # the default method compressed it
+
+
+def test_streamed_answers_equal_the_non_streamed_greedy_ones(server):
+    for chat in (False, True):
+        kwargs = dict(model=MODEL_NAME, max_tokens=12, temperature=0, extra_body={"kv_compression": {"method": "adakv", "ratio": 0.5}})
+        if chat:
+            kwargs["messages"] = [{"role": "user", "content": words(60, seed=1)}]
+            whole = server.client.chat.completions.create(**kwargs).choices[0].message.content
+            parts = [c.choices[0].delta.content or "" for c in server.client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        else:
+            kwargs["prompt"] = words(60, seed=1)
+            whole = server.client.completions.create(**kwargs).choices[0].text
+            parts = [c.choices[0].text for c in server.client.completions.create(stream=True, **kwargs) if c.choices]
+        assert whole and "".join(parts) == whole
+
+
+def test_stream_ends_with_done_and_can_report_usage(server):
+    body = {"model": MODEL_NAME, "prompt": words(30), "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][len("data: "):])["usage"]
+    assert usage["completion_tokens"] == 5 and usage["kv_bytes_full"] > 0
+
+
+BAD = [
+    (b"{not json", 400, None),
+    ({"prompt": "w1 w2"}, 400, "model"),
+    ({"model": "other", "prompt": "w1"}, 404, "model"),
+    ({"model": MODEL_NAME}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "nope", "ratio": 0.5}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "windw": 3, "ratio": 0.5}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "budget": 0}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "ratio": 1.5}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "w1", "n": 2}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "w1", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "w1 " * 450}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": [5] * 500, "max_tokens": 20}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(server.url + "/v1/completions", **kwargs, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+    assert server.client.completions.create(model=MODEL_NAME, prompt="w1 w2 w3", max_tokens=2).choices
+
+
+def test_bad_chat_messages_are_refused(server):
+    for body in ({"model": MODEL_NAME, "messages": []}, {"model": MODEL_NAME, "messages": [{"role": "robot", "content": "x"}]}):
+        response = httpx.post(server.url + "/v1/chat/completions", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("messages")
+
+
+def test_concurrent_clients_with_mixed_compression_all_complete(server):
+    """24 concurrent chat completions: the default method, Ada-KV 0.25, StreamingLLM budget 128 and full, some streamed."""
+    kinds = [None, {"method": "adakv", "ratio": 0.25}, {"method": "streamingllm", "budget": 128}, {"method": "full"}]
+    results, errors = {}, []
+
+    def client(i):
+        try:
+            kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": words(40 + 7 * i, seed=i)}], max_tokens=10,
+                          temperature=0)
+            if kinds[i % 4] is not None:
+                kwargs["extra_body"] = {"kv_compression": kinds[i % 4]}
+            if i % 3 == 0:
+                chunks = list(server.client.chat.completions.create(stream=True, **kwargs))
+                results[i] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[0].finish_reason)
+            else:
+                out = server.client.chat.completions.create(**kwargs)
+                results[i] = (out.choices[0].message.content, out.choices[0].finish_reason)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(results) == 24
+    assert all(isinstance(text, str) and reason in ("length", "stop") for text, reason in results.values()), results
+    assert sum(bool(text) for text, _ in results.values()) >= 20  # answers (an end-of-sequence first gives an empty one)
+    values = server.metrics()
+    assert values["kvcompress_kv_pool_used_bytes"] == 0 and values["kvcompress_requests_running"] == 0
+    assert values["kvcompress_kv_pool_capacity_bytes"] == server.llm.pool.capacity_bytes
+
+
+def test_a_client_dropped_mid_stream_frees_its_slots(server):
+    body = {"model": MODEL_NAME, "prompt": words(80, seed=3), "max_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    other = server.client.completions.create(model=MODEL_NAME, prompt=words(20), max_tokens=4)
+    assert other.choices
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        values = server.metrics()
+        if values["kvcompress_requests_running"] == 0 and values["kvcompress_kv_pool_used_bytes"] == 0:
+            break
+        time.sleep(0.2)
+    assert values["kvcompress_requests_running"] == 0 and values["kvcompress_kv_pool_used_bytes"] == 0
+    assert values['kvcompress_requests_total{endpoint="completions",outcome="disconnected"}'] >= 1
+
+
+def test_a_full_queue_answers_429():
+    srv = Server(max_queued=1)
+    try:
+        slow = threading.Thread(target=lambda: srv.client.completions.create(model=MODEL_NAME, prompt=words(200), max_tokens=60))
+        slow.start()
+        deadline = time.time() + 20
+        while srv.app.state.engine["loop"]._pending == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        response = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "w1", "max_tokens": 2})
+        assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
+        slow.join(timeout=120)
+    finally:
+        srv.stop()
+
+
+SERVE_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from common import tiny_model
+    from conftest import tiny_tokenizer
+    import kvcompress as kvc
+    from kvcompress.serve import run
+    llm = kvc.LLM(model_and_tokenizer=(tiny_model(), tiny_tokenizer()), kv_memory="4MiB")
+    run(llm, model_name="tiny", method=kvc.get_method("full"), port={port}, log_level="warning")
+""")
+
+
+def test_sigterm_stops_the_server_within_15_seconds(tmp_path):
+    port = _free_port()
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE_SCRIPT.format(tests=str(Path(__file__).parents[1]), port=port))
+    process = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline and process.poll() is None, "the server did not start"
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "w1 " * 300, "max_tokens": 150, "stream": True}
+        streaming = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body, timeout=60))
+        streaming.start()  # a long request in flight when the signal comes
+        time.sleep(1.0)
+        start = time.time()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=15)
+        assert time.time() - start < 15
+    finally:
+        if process.poll() is None:
+            process.kill()
