@@ -205,9 +205,14 @@ def cmd_bench(args) -> int:
         return _bench_engine(args)
     methods = _grid(args)
     model, tokenizer = load_model(args.model, device=args.device)
+    contexts = [int(x) for x in args.context_tokens.split(",")]
+    limit = model.config.max_position_embeddings
+    for tokens in contexts:  # every length checked before anything runs
+        if tokens + args.decode_tokens > limit:
+            raise ValueError(f"--context-tokens {tokens} + --decode-tokens {args.decode_tokens} exceeds the model's {limit} positions")
     out = _out_dir(args)
     rows = []
-    for tokens in [int(x) for x in args.context_tokens.split(",")]:
+    for tokens in contexts:
         rows += bench(model, tokenizer, methods, context_tokens=tokens, batch_size=args.batch_size,
                       decode_tokens=args.decode_tokens, repeats=args.repeats, seed=args.seed, progress=not args.quiet)
     budgets, ratios = _sizes(args)
