@@ -110,8 +110,8 @@ def _out_dir(args) -> Path:
 
 
 def cmd_eval(args) -> int:
-    """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png
-    (and accuracy_vs_kr_by_task.png with several tasks)."""
+    """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png,
+    accuracy_vs_cr.png (and accuracy_vs_kr_by_task.png with several tasks)."""
     from .eval.runner import EvalSettings, prediction_record, run_eval
 
     budgets, ratios = _sizes(args)
@@ -146,13 +146,15 @@ def cmd_report(args) -> int:
 
 
 def _eval_report(args, out: Path, rows: list[dict], settings: dict, **extra) -> None:
-    """results.json / .md and accuracy_vs_kr.png (plus the per-task plot with several tasks) of eval rows."""
+    """results.json / .md, accuracy_vs_kr.png and its twin accuracy_vs_cr.png (plus the per-task plot with
+    several tasks) of eval rows."""
     from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
 
     protocol = "query-aware" if settings.get("query_aware") else "query-agnostic"
     title = f"eval: {_model_name(args)}, {protocol}, {settings.get('context_tokens')} context tokens"
     _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
             settings=settings, **extra)
+    plot_accuracy_vs_kr(rows, out / "accuracy_vs_cr.png", title, axis="cr")
     if len({r["task"] for r in rows} - {"all"}) > 1:
         plot_accuracy_vs_kr_by_task(rows, out / "accuracy_vs_kr_by_task.png", title)
 

@@ -138,7 +138,7 @@ def answer(
     stats = {
         "method": cache.method.label,
         "kr": compressed["kr"],
-        "cr": compressed["cr"],
+        "cr": end["cr"],  # entries read per decoding step ÷ full, over the answer's steps
         "kv_bytes": compressed["kv_bytes"],
         "kv_bytes_full": compressed["kv_bytes_full"],
         "entries_per_head": compressed["entries_per_head"],

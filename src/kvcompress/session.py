@@ -79,6 +79,8 @@ class Session:
         self.counts: Counter = Counter()  # what the method tallied (merges, ...), over every layer
         self.timings = {"compress_s": 0.0}
         self._pending: dict[int, tuple] = {}  # this step's reads, for a method acting on every layer at once
+        self._step: dict = {}  # scratch shared by the layers of one decoding step (LayerContext.step)
+        self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
 
     def rows(self, layer_idx: int) -> slice:
         """The table rows of a layer."""
@@ -97,7 +99,7 @@ class Session:
         batch, _, n, _ = query.shape
         if self.table is None:
             self.batch_size = batch
-            self.table = SlotTable(self.num_layers * batch, self.num_kv_heads, key.device)
+            self.table = SlotTable(self.num_layers * batch, self.num_kv_heads, key.device, page_size=self.observe.key_pages)
             self._reserve(batch, n)
         sums = None
         if self.observe.attention_sums:
@@ -141,7 +143,7 @@ class Session:
         layer = self.layers[layer_idx]
         module = self.modules[layer_idx] if self.modules is not None else None
         return LayerContext(layer_idx, self.num_layers, layer.scaling, layer.tokens_seen, layer.observations, layer.state,
-                            module, self.rotary, query, query_positions, self.notes)
+                            module, self.rotary, query, query_positions, self.notes, self._step)
 
     def view(self, layer_idx: int) -> KVView:
         return self.table.view(self.pool, self.rows(layer_idx), self.layers[layer_idx].summary)
@@ -187,9 +189,23 @@ class Session:
         act: output [B, Hq, q, d]."""
         self.append_step(layer_idx, key, value, positions)
         view = self.view(layer_idx)
-        result = read(query, positions, view, self.layers[layer_idx].scaling, col_sums=self.wants_col_sums(layer_idx, query, positions))
+        select = self.select(layer_idx, view, query, positions)
+        result = read(query, positions, view, self.layers[layer_idx].scaling, select=select,
+                      col_sums=self.wants_col_sums(layer_idx, query, positions))
         self.after_read(layer_idx, query, positions, result.col_sums, view)
         return result.out
+
+    def select(self, layer_idx: int, view: KVView, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The entries a layer reads at a decoding step of one token (the method's choice; None: all), counted
+        for ``cr``."""
+        if query.shape[2] != 1:
+            return None  # a chunk of several tokens (a question after the prompt) is a prefill: it reads everything
+        select = None
+        if self.method.selects:
+            select = self.method.select(view, self.context(layer_idx, query, positions))
+        self.reads[0] += view.num_entries if select is None else int((select >= 0).sum())
+        self.reads[1] += int(self.layers[layer_idx].tokens_seen.sum()) * self.num_kv_heads
+        return select
 
     def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor | None = None) -> None:
@@ -197,10 +213,12 @@ class Session:
         ``slots`` [B, H, q]: the entries are already in the pool there (the engine writes a batch at once)."""
         if self._pending and layer_idx <= min(self._pending):
             self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
+        if layer_idx == 0:
+            self._step = {}  # a new decoding step
         if slots is None:
             self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
         else:
-            self.table.append_written(slots, positions, rows=self.rows(layer_idx))
+            self.table.append_written(self.pool, slots, positions, rows=self.rows(layer_idx))
         layer = self.layers[layer_idx]
         layer.seen += key.shape[2]
         layer.tokens_seen = layer.tokens_seen + key.shape[2]
@@ -273,12 +291,14 @@ class Session:
         needs = method.needs()
         if not self.observe.covers(needs):
             raise ValueError(
-                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums} and "
-                f"hidden_stats={needs.hidden_stats}; build the shared prefill cache with those settings."
+                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums}, "
+                f"hidden_stats={needs.hidden_stats} and key_pages={needs.key_pages}; build the shared prefill cache "
+                "with those settings (CompressedCache.shared(model, methods) does)."
             )
         twin = Session(method, self.pool, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, modules=self.modules,
                        rotary=self.rotary, observe=self.observe, compress_on_prefill=True)
-        twin.table, twin.batch_size, twin.notes = self.table.share(self.pool), self.batch_size, set(self.notes)
+        twin.table = self.table.share(self.pool, pages=bool(needs.key_pages))
+        twin.batch_size, twin.notes = self.batch_size, set(self.notes)
         twin.layers = [dataclasses.replace(layer, state=dict(layer.state)) for layer in self.layers]
         twin._compress(range(self.num_layers))
         return twin
@@ -311,15 +331,17 @@ class Session:
         return sum(int(self.layers[i].tokens_seen.sum()) * per_token for i in self._present())
 
     def stats(self) -> dict[str, Any]:
-        """kr (bytes held ÷ full), cr (entries attended per step ÷ full), sizes, notes and the method's own statistics."""
+        """kr (bytes held ÷ full), cr (entries read per decoding step ÷ full, over the steps so far; before the
+        first step, what is held), sizes, notes and the method's own statistics."""
         present = self._present()
         full, held = self.kv_bytes_full(), self.kv_bytes()
         entries = sum(self.table.num_entries(self.rows(i)) for i in present)
         full_entries = sum(int(self.layers[i].tokens_seen.sum()) * self.num_kv_heads for i in present)
         heads = len(present) * self.batch_size * self.num_kv_heads
+        read, read_full = self.reads if self.reads[1] else (entries, full_entries)  # no step yet: a step reads what is held
         return {
             "kr": held / full if full else 1.0,
-            "cr": entries / full_entries if full_entries else 1.0,
+            "cr": read / read_full if read_full else 1.0,  # entries read per decoding step ÷ full, over the steps so far
             "kv_bytes": held,
             "kv_bytes_full": full,
             "entries": entries,

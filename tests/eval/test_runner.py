@@ -90,11 +90,15 @@ def test_report_table_and_plot(tmp_path):
         {"method": "full", "budget": None, "ratio": None, "task": "a", "n": 2, "score": 90.0, "kr": 1.0, "decode_ms_per_token": 5.0},
         {"method": "snapkv", "budget": None, "ratio": 0.25, "task": "a", "n": 2, "score": 50.0, "kr": 0.25, "decode_ms_per_token": 4.0},
         {"method": "snapkv", "budget": None, "ratio": 0.5, "task": "a", "n": 2, "score": 70.0, "kr": 0.5, "decode_ms_per_token": 4.5},
+        {"method": "quest", "budget": None, "ratio": 0.25, "task": "a", "n": 2, "score": 85.0, "kr": 1.06, "cr": 0.26,
+         "decode_ms_per_token": 4.5},
     ]
     table = eval_markdown(rows, "t")
-    assert "| snapkv | 0.25 | 50.0 | 0.250 | 4.0 |" in table and table.index("| full") < table.index("| snapkv")
+    assert "| snapkv | 0.25 | 50.0 | 0.250 |  | 4.0 |" in table and table.index("| full") < table.index("| snapkv")
+    assert "| quest | 0.25 | 85.0 | 1.060 | 0.260 | 4.5 |" in table
     plot_accuracy_vs_kr(rows, tmp_path / "p.png", "t")
-    assert (tmp_path / "p.png").stat().st_size > 1000
+    plot_accuracy_vs_kr(rows, tmp_path / "cr.png", "t", axis="cr")
+    assert (tmp_path / "p.png").stat().st_size > 1000 and (tmp_path / "cr.png").stat().st_size > 1000
 
 
 def test_adaptive_methods_show_their_kr_per_task(tmp_path):
@@ -118,7 +122,7 @@ def test_cli_eval_writes_every_file(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert {"rows", "model", "seed", "version", "settings"} <= set(results)
     assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 2
-    assert (tmp_path / "results.md").exists() and (tmp_path / "accuracy_vs_kr.png").exists()
+    assert (tmp_path / "results.md").exists() and (tmp_path / "accuracy_vs_kr.png").exists() and (tmp_path / "accuracy_vs_cr.png").exists()
 
 
 def test_report_merges_comparable_runs_and_refuses_others(tmp_path, capsys):

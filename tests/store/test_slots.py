@@ -45,7 +45,23 @@ def _check(pool: SlotPool, tables: dict[int, SlotTable], models: dict[int, Model
                 assert view.keys[b, h, :n, 0].tolist() == [float(k) for _, k in entries]
                 assert torch.equal(view.values[b, h, :n, 0], -view.keys[b, h, :n, 0])
         expected = table.num_entries() * (pool.bytes_per_slot + 4 + 4) + table.lengths.numel() * LENGTH_BYTES
+        if table.page_size:
+            _check_page_bounds(table, view)
+            pages = int(((table.lengths + table.page_size - 1) // table.page_size).sum())
+            expected += pages * 2 * DIM * 4
         assert table.nbytes(pool) == expected
+
+
+def _check_page_bounds(table: SlotTable, view) -> None:
+    """Each page's bounds are the channel-wise min and max of the keys it holds now (after any appends,
+    evictions and rewrites)."""
+    size = table.page_size
+    for b, row in enumerate(table.lengths.tolist()):
+        for h, n in enumerate(row):
+            for page in range(-(-n // size)):
+                keys = view.keys[b, h, page * size : min(n, (page + 1) * size)]
+                assert torch.equal(table.page_bounds[b, h, page, 0], keys.amin(0))
+                assert torch.equal(table.page_bounds[b, h, page, 1], keys.amax(0))
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", "rewrite"]), st.integers(0, 10**6)),
@@ -53,12 +69,13 @@ OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", 
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=OPS, batch=st.integers(1, 2), heads=st.integers(1, 3))
-def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, batch, heads):
-    """Two layers of rows (as a session keeps them); each operation acts on one layer's rows or on all."""
+@given(ops=OPS, batch=st.integers(1, 2), heads=st.integers(1, 3), page_size=st.sampled_from([0, 1, 3, 4]))
+def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, batch, heads, page_size):
+    """Two layers of rows (as a session keeps them); each operation acts on one layer's rows or on all.
+    With pages (Quest's index), every page's key bounds stay those of the keys it holds."""
     pool = SlotPool(DIM, initial=8)  # small: the pool grows along the way
     rows_total = 2 * batch
-    tables, models = {0: SlotTable(rows_total, heads)}, {0: Model(rows_total, heads)}
+    tables, models = {0: SlotTable(rows_total, heads, page_size=page_size)}, {0: Model(rows_total, heads)}
     counter = {"position": 0, "value": 1.0, "next": 1}
     for op, seed in ops:
         gen = torch.Generator().manual_seed(seed)

@@ -181,7 +181,8 @@ class LLM:
             reason = reason or "length"
         if reason is not None:
             stats = request.session.stats()
-            request.stats.update(kv_bytes_end=stats["kv_bytes"], kv_bytes_full_end=stats["kv_bytes_full"], kr_end=stats["kr"])
+            request.stats.update(kv_bytes_end=stats["kv_bytes"], kv_bytes_full_end=stats["kv_bytes_full"], kr_end=stats["kr"],
+                                 cr=stats["cr"])  # entries read per decoding step ÷ full, over its steps
             self.scheduler.finish(request, reason)
 
     # ----- checks -------------------------------------------------------------------------------

@@ -104,13 +104,30 @@ class ModelRunner:
         parts = [(s.table, s.rows(layer_idx), s.layers[layer_idx].summary) for s in sessions]
         view = SlotTable.joint_view(self.pool, parts)
         wants = [s.wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]
-        result = read(query, positions, view, scaling, col_sums=any(wants))
+        select = self.joint_select(sessions, layer_idx, query, positions, view.shape[2])
+        result = read(query, positions, view, scaling, select=select, col_sums=any(wants))
         for r, session in enumerate(sessions):
             sums = None
             if wants[r]:
                 sums = result.col_sums[r : r + 1, :, : int(session.lengths(layer_idx).max())]
             session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums)
         return result.out
+
+    def joint_select(self, sessions: list[Session], layer_idx: int, query, positions, length: int) -> torch.Tensor | None:
+        """Each request's choice of entries to read (dynamic selection is per request), as one index
+        [R, H, k] into the joint view of ``length`` columns (-1: none); None when every request reads all."""
+        chosen = [s.select(layer_idx, s.view(layer_idx), query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]
+        if all(c is None for c in chosen):
+            return None
+        rows = []
+        for session, choice in zip(sessions, chosen):
+            if choice is None:  # this request reads everything it holds
+                lengths = session.lengths(layer_idx).to(self.device)[0]
+                span = torch.arange(length, device=self.device)
+                choice = torch.where(span < lengths[:, None], span, -1)[None]
+            rows.append(choice)
+        width = max(c.shape[-1] for c in rows)
+        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in rows])
 
 
 __all__ = ["ModelRunner"]

@@ -37,7 +37,7 @@ def eval_markdown(rows: list[dict], title: str) -> str:
     tasks = sorted({r["task"] for r in rows} - {"all"})
     index = {(r["method"], r["budget"], r["ratio"], r["task"]): r for r in rows}
     has_all = any(r["task"] == "all" for r in rows)
-    head = ["method", "size", *tasks] + (["average"] if has_all else []) + ["kr", "decode ms/tok"]
+    head = ["method", "size", *tasks] + (["average"] if has_all else []) + ["kr", "cr", "decode ms/tok"]
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, budget, ratio in _order(rows):
         per_task = [index.get((method, budget, ratio, t)) for t in tasks]
@@ -46,10 +46,12 @@ def eval_markdown(rows: list[dict], title: str) -> str:
         cells += [f"{r['score']:.1f}" if r else "" for r in per_task]
         if has_all:
             cells.append(f"{summary['score']:.1f}")
-        cells += [f"{summary['kr']:.3f}", f"{summary['decode_ms_per_token']:.1f}"]
+        cr = summary.get("cr")
+        cells += [f"{summary['kr']:.3f}", "" if cr is None else f"{cr:.3f}", f"{summary['decode_ms_per_token']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     n = max(r["n"] for r in rows if r["task"] != "all")
-    lines += ["", f"Scores are 0–100 over {n} samples per task; kr = KV bytes held ÷ full cache bytes."]
+    lines += ["", f"Scores are 0–100 over {n} samples per task; kr = KV bytes held ÷ full cache bytes; cr = entries "
+              "read per decoding step ÷ a full cache's (below kr for methods that select what to read)."]
     adaptive = sorted({m for m, b, r in _order(rows) if m != "full" and b is None and r is None})
     if adaptive and tasks:
         lines += ["", "Realized kr per task (methods that choose their own budget):", "",
@@ -60,11 +62,13 @@ def eval_markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy_vs_kr(rows: list[dict], path: Path, title: str) -> None:
-    """Average score against kr: a line per fixed-budget method, points for adaptive ones, a star for full."""
+def plot_accuracy_vs_kr(rows: list[dict], path: Path, title: str, axis: str = "kr") -> None:
+    """Average score against kr (bytes held; ``axis="cr"``: entries read per decoding step, the twin
+    plot where dynamic selection shows): a line per fixed-budget method, points for adaptive ones, a
+    star for full."""
     task = "all" if any(r["task"] == "all" for r in rows) else rows[0]["task"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    _draw_task(ax, rows, task)
+    _draw_task(ax, rows, task, axis)
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -91,11 +95,11 @@ def plot_accuracy_vs_kr_by_task(rows: list[dict], path: Path, title: str) -> Non
     plt.close(fig)
 
 
-def _draw_task(ax, rows: list[dict], task: str) -> None:
+def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
         if r["task"] == task:
-            series[r["method"]].append((r["kr"], r["score"]))
+            series[r["method"]].append((r.get(axis, r["kr"]), r["score"]))
     methods = sorted({r["method"] for r in rows} - {"full"})
     colors = plt.cm.tab20.colors  # the same method gets the same color in every panel
     for method, points in sorted(series.items()):
@@ -108,7 +112,7 @@ def _draw_task(ax, rows: list[dict], task: str) -> None:
             ax.scatter(xs, ys, marker="D", s=60, color=color, edgecolors="black", label=method, zorder=4)
         else:
             ax.plot(xs, ys, marker="o", color=color, label=method)
-    ax.set_xlabel("kr (KV bytes held ÷ full)")
+    ax.set_xlabel("kr (KV bytes held ÷ full)" if axis == "kr" else "cr (entries read per decoding step ÷ full)")
     ax.set_ylabel("score (0–100)" + (", mean over tasks" if task == "all" else f", {task}"))
     ax.grid(alpha=0.3)
 

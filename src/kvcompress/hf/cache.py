@@ -16,6 +16,7 @@ reordering raise ``NotImplementedError``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -114,12 +115,13 @@ class CompressedCache(Cache):
         observation_window: prefill queries to keep for scoring (default: what the method needs).
         attention_sums: accumulate every prefill query's attention per entry (H2O scores).
         hidden_stats: keep the per-channel mean and std of each layer's attention input (GVote).
+        key_pages: keep each key channel's min and max per page of this many entries (Quest).
         pool: the slot pool to hold the entries (default: a private, growable one).
     """
 
     def __init__(self, model, method: Method | None = None, *, compress_on_prefill: bool = True,
                  observation_window: int | None = None, attention_sums: bool | None = None,
-                 hidden_stats: bool | None = None, pool: SlotPool | None = None):
+                 hidden_stats: bool | None = None, key_pages: int | None = None, pool: SlotPool | None = None):
         method = method if method is not None else get_method("full")
         facts = model_facts(model)
         modules = attention_modules(model)
@@ -127,10 +129,12 @@ class CompressedCache(Cache):
         self._config = model.config
         self._modules = modules
         needs = method.needs()
-        observe = Needs(
+        observe = dataclasses.replace(
+            needs,
             window=needs.window if observation_window is None else observation_window,
             attention_sums=needs.attention_sums if attention_sums is None else attention_sums,
             hidden_stats=needs.hidden_stats if hidden_stats is None else hidden_stats,
+            key_pages=needs.key_pages if key_pages is None else key_pages,
         )
         if observe.hidden_stats:
             watch_attention_inputs(modules)
@@ -151,7 +155,7 @@ class CompressedCache(Cache):
         for method in methods:
             needs = needs.union(method.needs())
         return cls(model, compress_on_prefill=False, observation_window=needs.window,
-                   attention_sums=needs.attention_sums, hidden_stats=needs.hidden_stats)
+                   attention_sums=needs.attention_sums, hidden_stats=needs.hidden_stats, key_pages=needs.key_pages)
 
     @property
     def method(self) -> Method:

@@ -8,6 +8,7 @@ reads the command line's form of a method with options.
 from __future__ import annotations
 
 import ast
+import shlex
 from dataclasses import fields
 
 from .adakv import AdaKV
@@ -19,12 +20,14 @@ from .gvote import GVote
 from .h2o import H2O
 from .keepkv import KeepKV
 from .momentkv import MomentKV
+from .omnikv import OmniKV
 from .pyramidkv import PyramidKV
+from .quest import Quest
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O)
+    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O, OmniKV, Quest)
 }
 
 
@@ -48,8 +51,9 @@ def get_method(name: str, **options) -> Method:
 
 def parse_method_spec(spec: str) -> tuple[str, dict]:
     """``"name:option=value:..."`` → (name, options). Values are Python literals (numbers, True,
-    None, 'text'); ``inf`` is float("inf"); anything else is kept as a string."""
-    name, *parts = spec.strip().split(":")
+    None, 'text'); ``inf`` is float("inf"); anything else is kept as a string. A value holding
+    colons (another method's spec) goes in quotes: ``quest:compress_with="snapkv:ratio=0.5"``."""
+    name, *parts = _split_spec(spec)
     options = {}
     for part in parts:
         key, sep, text = part.partition("=")
@@ -59,6 +63,16 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
     if name.strip().lower() not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; available methods: {', '.join(available_methods())}")
     return name.strip().lower(), options
+
+
+def _split_spec(spec: str) -> list[str]:
+    """Split at colons outside quotes: ``quest:compress_with="snapkv:ratio=0.5"`` nests one spec in another."""
+    lexer = shlex.shlex(spec.strip(), posix=True)
+    lexer.whitespace, lexer.whitespace_split, lexer.commenters = ":", True, ""
+    try:
+        return list(lexer)
+    except ValueError as error:
+        raise ValueError(f"bad method spec {spec!r}: {error} (close every quote)") from None
 
 
 def _literal(text: str):

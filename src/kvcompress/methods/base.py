@@ -10,6 +10,8 @@ The contract (all hooks optional):
 * ``compress(view, context, sizes=None)``: right after the prefill, an ``Edit``;
   ``sizes`` [B, H], when given, is how many entries each head keeps beyond the method's
   protected ones (a global plan's or another method's choice: GVote's ``select_with``);
+* ``select(view, context)`` when ``selects``: before each decoding read, the entries to read
+  (dynamic selection: Quest, OmniKV); the rest stay held but unread;
 * ``wants_col_sums`` / ``decode_step(view, context, col_sums)``: while decoding, after
   each step's read (H2O and KeepKV accumulate attention, evictions keep the budget); a
   method whose step works row by row (``decodes_all_layers``) gets every layer at once;
@@ -42,16 +44,21 @@ PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank b
 @dataclass(frozen=True)
 class Needs:
     """What a method reads from the prefill: the last ``window`` queries, per-entry attention sums,
-    the attention input's per-channel mean and std (``hidden_stats``)."""
+    the attention input's per-channel mean and std (``hidden_stats``); and what the store must keep
+    as entries arrive: key bounds per page of ``key_pages`` entries (Quest; 0 = none)."""
 
     window: int = 0
     attention_sums: bool = False
     hidden_stats: bool = False
+    key_pages: int = 0
 
     def union(self, other: Needs) -> Needs:
         """What two methods need together (one shared prefill serving both)."""
+        if self.key_pages and other.key_pages and self.key_pages != other.key_pages:
+            raise ValueError(f"methods sharing one prefill need pages of {self.key_pages} and {other.key_pages} entries: "
+                             "give them the same page_size")
         return Needs(max(self.window, other.window), self.attention_sums or other.attention_sums,
-                     self.hidden_stats or other.hidden_stats)
+                     self.hidden_stats or other.hidden_stats, self.key_pages or other.key_pages)
 
     def covers(self, other: Needs) -> bool:
         return self.union(other) == self
@@ -122,6 +129,15 @@ class Method:
 
     def compress(self, view: KVView, context: LayerContext, sizes: torch.Tensor | None = None) -> Edit | None:
         """What to do to a layer right after its prefill (default: keep everything)."""
+        return None
+
+    @property
+    def selects(self) -> bool:
+        """True when the method chooses, before each decoding read, which held entries to read."""
+        return False
+
+    def select(self, view: KVView, context: LayerContext) -> torch.Tensor | None:
+        """Entries to read this step: indices [B, H, k] into the view's L (-1: none), or None for all."""
         return None
 
     def wants_col_sums(self, context: LayerContext) -> bool:

@@ -41,7 +41,8 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
     """Attend queries [B, Hq, q, d] at positions [B, q] to the view's entries.
 
     ``select`` [B, H, k] (int64): per KV head, the indices (into the view's L) of the entries to
-    read; the rest are skipped (dynamic selection). ``reference=True`` runs the float32 oracle.
+    read, -1 for none; the rest are skipped (dynamic selection). ``reference=True`` runs the
+    float32 oracle.
     """
     full_length = view.shape[2]
     if select is not None:
@@ -54,7 +55,8 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
     else:
         out, lse, sums = read_masked(query, query_positions, view, scaling, col_sums)
     if sums is not None and select is not None:
-        sums = torch.zeros(*sums.shape[:2], full_length, dtype=sums.dtype, device=sums.device).scatter_add(-1, select, sums)
+        sums = torch.zeros(*sums.shape[:2], full_length, dtype=sums.dtype, device=sums.device).scatter_add(
+            -1, select.clamp(min=0), sums.masked_fill(select < 0, 0.0))
     return ReadResult(out, lse, sums)
 
 

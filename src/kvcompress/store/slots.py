@@ -192,19 +192,24 @@ class SlotTable:
     Per (row, head), left-aligned: ``ids`` int32 [R, H, capacity, 2] (slot, original position) and,
     when a method sets any, ``weights`` float32 [R, H, capacity, C] (the log-weights and the method's
     channels, one column each, named in ``columns``). Padding holds (slot 0, a position after every
-    real one) and zero weights. Every operation takes ``rows`` (a slice; None = all rows) and
-    works in the layout of ``view(pool, rows)``.
+    real one) and zero weights. With ``page_size`` P > 0 the table also keeps, for every P
+    consecutive entries of a head, each key channel's min and max (``page_bounds``, in the keys'
+    dtype, [R, H, pages, 2, d]; Quest's index), refreshed for the pages an append or an edit touched.
+    Every operation takes ``rows`` (a slice; None = all rows) and works in the layout of
+    ``view(pool, rows)``.
     """
 
     LOG_WEIGHTS = "log_weights"
 
     @_plain_tensors
-    def __init__(self, rows: int, heads: int, device: str | torch.device = "cpu"):
+    def __init__(self, rows: int, heads: int, device: str | torch.device = "cpu", page_size: int = 0):
         self.device = torch.device(device)
         self.ids = torch.empty(rows, heads, 0, 2, dtype=torch.int32, device=self.device)
         self.weights: torch.Tensor | None = None
         self.columns: list[str] = []
         self.lengths = torch.zeros(rows, heads, dtype=torch.long, device="cpu")  # sizes are decided on the CPU
+        self.page_size = page_size
+        self.page_bounds: torch.Tensor | None = None  # [R, H, pages, 2, d]: per page of entries, each channel's min and max key
 
     # ----- sizes and named parts -------------------------------------------------------------
     @property
@@ -243,9 +248,13 @@ class SlotTable:
         return pool.bytes_per_slot + INDEX_BYTES + POSITION_BYTES + WEIGHT_BYTES * len(self.columns)
 
     def nbytes(self, pool: SlotPool, rows: Rows = None) -> int:
-        """Bytes held for ``rows``: every entry (``entry_bytes``) and a length per head."""
+        """Bytes held for ``rows``: every entry (``entry_bytes``), a length per head and the page bounds."""
         lengths = self.lengths[_all(rows)]
-        return int(lengths.sum()) * self.entry_bytes(pool) + lengths.numel() * LENGTH_BYTES
+        held = int(lengths.sum()) * self.entry_bytes(pool) + lengths.numel() * LENGTH_BYTES
+        if self.page_bounds is not None:
+            pages = int(((lengths + self.page_size - 1) // self.page_size).sum())
+            held += pages * 2 * self.page_bounds.shape[-1] * self.page_bounds.element_size()
+        return held
 
     def held_slots(self, rows: Rows = None) -> torch.Tensor:
         """Every slot ``rows`` hold (int64, CPU)."""
@@ -272,6 +281,8 @@ class SlotTable:
             log_weights=None if log_weights is None else weights[..., log_weights],
             channels={name: weights[..., i] for name, i in columns.items()},
             summary=summary,
+            page_bounds=None if self.page_bounds is None else self.page_bounds[rows, :, : -(-longest // self.page_size)],
+            page_size=self.page_size,
         )
 
     @staticmethod
@@ -332,17 +343,18 @@ class SlotTable:
             ids = _aligned(torch.stack([slots.to(torch.int32), positions[valid].to(torch.int32)], dim=-1), aligned, PAD_IDS)
             if weights is not None:
                 weights = _aligned(weights[valid], aligned, 0.0)
-        self._record(ids, added, weights, rows)
+        self._record(pool, ids, added, weights, rows)
 
     @_plain_tensors
-    def append_written(self, slots: torch.Tensor, positions: torch.Tensor, rows: Rows = None) -> None:
+    def append_written(self, pool: SlotPool, slots: torch.Tensor, positions: torch.Tensor, rows: Rows = None) -> None:
         """Record entries already written to the pool (``slots`` [r, H, q] at positions [r, q]: a batch of
         requests written at once) after each head's last entry of ``rows``."""
         r, h, q = slots.shape
         ids = torch.stack([slots.to(torch.int32), positions[:, None, :].expand(r, h, q).to(torch.int32)], dim=-1)
-        self._record(ids, None, None, _all(rows))
+        self._record(pool, ids, None, None, _all(rows))
 
-    def _record(self, ids: torch.Tensor, added: torch.Tensor | None, weights: torch.Tensor | None, rows: slice) -> None:
+    def _record(self, pool: SlotPool, ids: torch.Tensor, added: torch.Tensor | None, weights: torch.Tensor | None,
+                rows: slice) -> None:
         """Put new (slot, position) rows ids [r, H, q, 2] after each head's last entry (``added`` [r, H] of
         them per head, left-aligned; None = all q); ``weights`` [r, H, q, C] (None: zeros)."""
         r, h, q, _ = ids.shape
@@ -360,7 +372,39 @@ class SlotTable:
             if self.weights is not None:
                 source = torch.zeros(r, h, q, len(self.columns), device=self.device) if weights is None else weights
                 _scatter_rows(self.weights[rows], index, source, mask)
+        start = int(self.lengths[rows].min()) if self.lengths[rows].numel() else 0
         self.lengths[rows] += q if added is None else added
+        self._refresh_pages(pool, rows, start)
+
+    def _refresh_pages(self, pool: SlotPool, rows: slice, start: int = 0) -> None:
+        """Recompute the page bounds of ``rows`` from column ``start`` on (the pages entries were added to or
+        changed in), from the keys in the pool."""
+        if not self.page_size:
+            return
+        size = self.page_size
+        first = start // size
+        longest, _ = self.span(rows)
+        pages = -(-longest // size)
+        if pages <= first:
+            return
+        slots = self.ids[rows, :, first * size : pages * size, 0]
+        keys, _ = pool.gather(_padded(slots, (pages - first) * size, PAD_SLOT))
+        columns = torch.arange(first * size, pages * size, device=self.device)
+        valid = (columns < self.lengths[rows].to(self.device)[..., None])[..., None]  # [r, H, n, 1]
+        r, h = slots.shape[:2]
+        keys = keys.view(r, h, pages - first, size, -1)  # min and max of keys are keys: exact in their dtype
+        valid = valid.view(r, h, pages - first, size, 1)
+        low = keys.masked_fill(~valid, float("inf")).amin(3)
+        high = keys.masked_fill(~valid, float("-inf")).amax(3)
+        bounds = torch.stack([low, high], dim=3)  # [r, H, pages, 2, d]
+        bounds = bounds.masked_fill(~valid.any(3, keepdim=True), 0.0)  # a page with no entry: zeros, never read
+        needed = max(pages, -(-self.capacity // size))
+        if self.page_bounds is None or self.page_bounds.shape[2] < needed:
+            grown = torch.zeros(*self.ids.shape[:2], needed, 2, bounds.shape[-1], dtype=bounds.dtype, device=self.device)
+            if self.page_bounds is not None:
+                grown[:, :, : self.page_bounds.shape[2]] = self.page_bounds
+            self.page_bounds = grown
+        self.page_bounds[rows, :, first:pages] = bounds
 
     def _reserve(self, needed: int) -> None:
         """Make room for ``needed`` entries per head (doubling, so appends are amortized O(new))."""
@@ -441,6 +485,8 @@ class SlotTable:
         pool.write(new, keys, values)
         table[mask] = new.to(torch.int32)
         pool.release(old)  # refuses padding (slot 0): only real entries can be rewritten
+        if self.page_size:
+            self._refresh_pages(pool, rows, int(mask.flatten(0, 1).any(0).nonzero()[0]))
 
     @_plain_tensors
     def retain(self, pool: SlotPool, keep: torch.Tensor, rows: Rows = None) -> None:
@@ -460,11 +506,16 @@ class SlotTable:
             weights = self.weights[rows, :, :length]
             weights[...] = weights.gather(2, order.expand(-1, -1, -1, weights.shape[3])).masked_fill(tail, 0.0)
         self.lengths[rows] = counts.cpu()
+        if self.page_size:
+            dropped = (valid & ~keep).flatten(0, 1).any(0).nonzero()  # pages before the first drop are unchanged
+            if dropped.numel():
+                self._refresh_pages(pool, rows, int(dropped[0]))
 
     # ----- sharing -------------------------------------------------------------------------
     @_plain_tensors
-    def share(self, pool: SlotPool, rows: Rows = None) -> SlotTable:
-        """An independent table holding the same entries as ``rows`` (their slots get one more holder each)."""
+    def share(self, pool: SlotPool, rows: Rows = None, pages: bool = True) -> SlotTable:
+        """An independent table holding the same entries as ``rows`` (their slots get one more holder each);
+        ``pages=False`` leaves the page bounds behind (a fork whose method does not read them)."""
         rows = _all(rows)
         twin = SlotTable.__new__(SlotTable)
         twin.device = self.device
@@ -472,6 +523,8 @@ class SlotTable:
         twin.weights = None if self.weights is None else self.weights[rows].clone()
         twin.columns = list(self.columns)
         twin.lengths = self.lengths[rows].clone()
+        twin.page_size = self.page_size if pages else 0
+        twin.page_bounds = None if self.page_bounds is None or not pages else self.page_bounds[rows].clone()
         pool.share(self.held_slots(rows))
         return twin
 
@@ -483,6 +536,8 @@ class SlotTable:
         self.ids[rows] = PAD_IDS.to(self.device)
         if self.weights is not None:
             self.weights[rows] = 0.0
+        if self.page_bounds is not None:
+            self.page_bounds[rows] = 0.0
         self.lengths[rows] = 0
 
 

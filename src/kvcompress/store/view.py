@@ -50,6 +50,8 @@ class KVView:
         channels: per-entry method state, float32 [B, H, L] each (H2O's scores, EMA).
         summary: what left, merged into every read.
         uniform: True when the caller knows every head holds L entries (skips the check).
+        page_bounds: [B, H, pages, 2, d], each channel's min and max key over every ``page_size``
+            consecutive entries (pages past a head's length mean nothing), when the store keeps them.
     """
 
     def __init__(
@@ -64,6 +66,8 @@ class KVView:
         channels: Mapping[str, torch.Tensor] | None = None,
         summary: Summary | None = None,
         uniform: bool | None = None,
+        page_bounds: torch.Tensor | None = None,
+        page_size: int = 0,
     ):
         if load is None and (keys is None or values is None):
             raise ValueError("a KVView needs its keys and values or a loader for them")
@@ -72,6 +76,7 @@ class KVView:
         self.log_weights = log_weights
         self.channels = dict(channels or {})
         self.summary = summary
+        self.page_bounds, self.page_size = page_bounds, page_size
         self._load = load
         self._kv = None if keys is None else (keys, values)
         self._valid: torch.Tensor | None | bool = None if uniform else False  # False = not computed yet
@@ -132,19 +137,20 @@ class KVView:
         return self._kv
 
     def select(self, index: torch.Tensor) -> KVView:
-        """The entries at ``index`` [B, H, k] of each head (every index must point at a real entry);
-        only those are materialized."""
-        pick = lambda t: None if t is None else t.gather(-1, index)  # noqa: E731
+        """The entries at ``index`` [B, H, k] of each head (-1: nothing, a padding entry); only those are
+        materialized."""
+        hole = index < 0
+        safe = index.clamp(min=0)
+        pick = lambda t: None if t is None else t.gather(-1, safe)  # noqa: E731
         if self._kv is not None:
-            wide = index[..., None].expand(*index.shape, self.keys.shape[-1])
+            wide = safe[..., None].expand(*safe.shape, self.keys.shape[-1])
             keys, values, load = self.keys.gather(2, wide), self.values.gather(2, wide), None
         else:
             keys = values = None
-            load = lambda _: self._load(index)  # noqa: E731
-        lengths = torch.full(index.shape[:2], index.shape[-1], dtype=torch.long)
-        return KVView(self.positions.gather(-1, index), lengths, load=load, keys=keys, values=values,
-                      log_weights=pick(self.log_weights), channels={name: pick(c) for name, c in self.channels.items()},
-                      summary=self.summary, uniform=True)
+            load = lambda _: self._load(safe)  # noqa: E731
+        return KVView(self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION), (~hole).sum(-1).cpu(), load=load,
+                      keys=keys, values=values, log_weights=pick(self.log_weights),
+                      channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary)
 
     def flat(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, H, L, ...] → the real entries [N, ...], head after head."""
@@ -166,7 +172,9 @@ class LayerContext:
     (read only: changes go in ``Edit.state``). While decoding, ``query`` [B, Hq, q, d]
     (after RoPE) and ``query_positions`` [B, q] are the step's queries. ``module`` is the
     layer's attention module and ``rotary`` the model's rotary embedding (GVote projects
-    sampled hidden states through them). ``notes`` collects remarks for the stats.
+    sampled hidden states through them). ``notes`` collects remarks for the stats; ``step`` is
+    scratch shared by every layer of one decoding step (OmniKV's filter layer leaves its choice
+    of tokens there for the layers after it).
     """
 
     layer_idx: int
@@ -180,6 +188,7 @@ class LayerContext:
     query: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
     notes: set[str] = field(default_factory=set)
+    step: dict[str, Any] = field(default_factory=dict)
 
     def note(self, message: str) -> None:
         self.notes.add(message)

@@ -1,0 +1,132 @@
+"""OmniKV (Hao et al. 2025, "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs"), seed 004's baseline.
+
+Dynamic selection without eviction (METHODS.md, "OmniKV"): a few *filter* layers read every
+entry; at each filter layer the current query's attention (the largest weight over all query
+heads) picks the ``budget`` (or ``ratio`` × context) best tokens, and the layers after it, up to
+the next filter layer, read only those tokens (plus the sinks and the most recent ones). The
+layers before the first filter layer read everything too. One token set serves every head of
+those layers — the paper's observation that important tokens are shared across consecutive
+layers. Nothing leaves the cache: kr ≈ 1, cr < 1.
+
+Filter layers: the paper's {2, 8, 18} of 32 layers, scaled to the model's depth
+(``round(l · L / 32)``): {2, 8, 17} for the embedded model's 30 layers, {2, 6, 14} for 24.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..read import attention_probs, group_queries
+from .base import Method
+
+STEP = "omnikv_tokens"
+
+
+def filter_layers(num_layers: int, reference: tuple[int, ...] = (2, 8, 18), depth: int = 32) -> list[int]:
+    """The paper's filter layers (for a ``depth``-layer model) scaled to ``num_layers``."""
+    return sorted({min(num_layers - 1, round(layer * num_layers / depth)) for layer in reference})
+
+
+@dataclass
+class OmniKV(Method):
+    """Filter layers read everything and choose the tokens the next layers read (see the module docstring).
+
+    Options:
+        filters: the filter layers (None: the paper's {2, 8, 18} of 32 scaled to the model).
+        sinks: first tokens always read (4).
+        recent: most recent tokens always read (32).
+
+    ``budget`` / ``ratio`` are the tokens the layers after a filter layer read per KV head, the sinks and
+    recent ones included.
+    """
+
+    filters: tuple[int, ...] | None = None
+    sinks: int = 4
+    recent: int = 32
+
+    name: ClassVar[str] = "omnikv"
+    paper: ClassVar[str] = "Hao et al. 2025, OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs (seeds/004)"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.filters is not None:
+            self.filters = tuple(sorted(int(f) for f in self.filters))
+            if not self.filters or min(self.filters) < 0:
+                raise ValueError(f"filters must be a non-empty list of layer indices, got {self.filters!r}")
+        if self.sinks < 0 or self.recent < 1:
+            raise ValueError(f"sinks must be ≥ 0 and recent ≥ 1, got {self.sinks}, {self.recent}")
+
+    def filter_layers(self, num_layers: int) -> list[int]:
+        return list(self.filters) if self.filters is not None else filter_layers(num_layers)
+
+    @property
+    def selects(self) -> bool:
+        return True
+
+    def read_budget(self, context) -> torch.Tensor:
+        """Tokens each row reads per layer after a filter layer [B]: the budget, or ratio × the tokens seen."""
+        tokens = context.tokens_seen
+        if self.budget is not None:
+            return torch.full_like(tokens, self.budget)
+        return torch.clamp((tokens.double() * self.ratio).ceil().long(), min=1)
+
+    def select(self, view, context) -> torch.Tensor | None:
+        filters = self.filter_layers(context.num_layers)
+        layer = context.layer_idx
+        if layer < filters[0]:
+            return None  # before the first filter layer: everything
+        if layer in filters:
+            context.step[STEP] = self.choose(view, context)
+            return None  # a filter layer reads everything, then chooses for the layers after it
+        return self.columns(view, context.step[STEP])
+
+    def protected(self, view) -> torch.Tensor:
+        """bool [B, H, L]: the sinks and the most recent entries of each head, always read."""
+        columns = torch.arange(view.shape[2], device=view.positions.device)
+        lengths = view.lengths.to(view.positions.device)[..., None]
+        return ((columns < self.sinks) | (columns >= lengths - self.recent)) & (columns < lengths)
+
+    def choose(self, view, context) -> torch.Tensor:
+        """bool [B, tokens]: the tokens (by position) the next layers read — the protected ones and the best
+        of the rest by the largest attention weight of the step's query over every query head, up to the
+        read budget."""
+        b, h, length = view.shape
+        query = group_queries(context.query[:, :, -1:], h)
+        probs = attention_probs(query, view.keys, context.scaling, context.query_positions[:, -1:], view.positions, view.valid)
+        score = probs[:, :, :, 0].amax(dim=2)  # [B, H, L]: the best over each KV head's query group
+        protected = self.protected(view)
+        tokens = int(context.tokens_seen.max())
+        positions = view.positions.clamp(max=tokens).reshape(b, -1)  # padding → one spare column
+        wanted = torch.zeros(b, tokens + 1, dtype=torch.bool, device=score.device)
+        wanted.scatter_(1, positions.masked_fill(~protected.reshape(b, -1), tokens), True)
+        wanted[:, tokens] = False
+        # a token's score: its best over every head of the layer (entries hold a token once per head)
+        valid = view.valid_or_ones().reshape(b, -1)
+        best = torch.full((b, tokens + 1), float("-inf"), device=score.device)
+        best = best.scatter_reduce(1, positions, score.reshape(b, -1).masked_fill(~valid, float("-inf")), reduce="amax")
+        best = best.masked_fill(wanted, float("-inf"))
+        best[:, tokens] = float("-inf")
+        room = (self.read_budget(context).to(score.device) - wanted[:, :tokens].sum(-1)).clamp(min=0)
+        top = best.topk(min(int(room.max()), tokens), dim=-1)
+        take = (torch.arange(top.indices.shape[-1], device=score.device) < room[:, None]) & (top.values > float("-inf"))
+        wanted = wanted.scatter(1, top.indices, take | wanted.gather(1, top.indices))
+        return wanted[:, :tokens]
+
+    def columns(self, view, wanted: torch.Tensor) -> torch.Tensor:
+        """Indices [B, H, k] of this layer's entries holding the ``wanted`` tokens (bool [B, tokens]) and its
+        own protected ones (they differ from the filter layer's when a compressed prompt left each layer
+        other tokens), -1 past each head's own count."""
+        b, _, length = view.shape
+        tokens = wanted.shape[1]
+        spare = torch.cat([wanted, torch.zeros(b, 1, dtype=torch.bool, device=wanted.device)], dim=1)
+        index = view.positions.clamp(max=tokens).reshape(b, -1)
+        read = (spare.gather(1, index).view(view.shape) & view.valid_or_ones()) | self.protected(view)
+        k = max(int(read.sum(-1).max()), 1)
+        order = torch.argsort((~read).to(torch.int8), dim=-1, stable=True)[..., :k]
+        return torch.where(read.gather(-1, order), order, -1)
+
+
+__all__ = ["OmniKV", "filter_layers"]

@@ -1,0 +1,154 @@
+"""Quest (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference").
+
+Dynamic selection: every entry stays held; before each decoding read, each KV head reads only
+the pages of ``page_size`` consecutive entries whose keys may score highest for the current
+query (METHODS.md, "Quest"). The store keeps, per page, each key channel's min and max (it
+refreshes them for the pages an append touches; their bytes count in kr). A page's bound,
+``Σ_c max(q_c·min_c, q_c·max_c)``, is at least the logit of every key in it; a KV head takes
+the best pages by the largest bound over its group's query heads, up to ``budget`` entries
+(or ``ratio`` of the context) per head, on top of the sinks and the most recent entries,
+which are always read. Quest saves reads, not memory: kr ≈ 1 (plus the bounds), cr < 1.
+
+``compress_with`` (e.g. ``"snapkv:ratio=0.5"``) first compresses the prompt with another
+method, then Quest selects among what that method kept (selection over an evicted or merged
+cache); the inner method keeps acting while decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
+
+import torch
+
+from ..read import group_queries
+from ..store.view import Edit
+from .base import Method, Needs
+
+
+def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Upper bounds of q·k over each page, [B, H, G, pages]: Σ_c max(q_c·min_c, q_c·max_c) for grouped
+    queries [B, H, G, d] and page bounds [B, H, pages, 2, d] (min, max per channel)."""
+    q = query.float()[:, :, :, None, None, :]  # [B, H, G, 1, 1, d]
+    return (q * bounds[:, :, None]).amax(dim=4).sum(-1)
+
+
+@dataclass
+class Quest(Method):
+    """Query-aware page selection over every held entry (see the module docstring).
+
+    Options:
+        page_size: entries per page (16, the paper's).
+        sinks: first entries always read (4).
+        recent: most recent entries always read (the current page and the ones before, 32).
+        compress_with: another method (name and options, ``"snapkv:ratio=0.5"``) compressing the
+            prompt first; None = keep everything (the paper).
+
+    ``budget`` / ``ratio`` are the entries read per step and KV head, protected ones included.
+    """
+
+    page_size: int = 16
+    sinks: int = 4
+    recent: int = 32
+    compress_with: str | None = None
+
+    name: ClassVar[str] = "quest"
+    paper: ClassVar[str] = "Tang et al. 2024, Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.page_size < 1 or self.sinks < 0 or self.recent < 1:
+            raise ValueError(f"page_size and recent must be ≥ 1 and sinks ≥ 0, got {self.page_size}, {self.recent}, {self.sinks}")
+        _ = self.inner  # an unusable compress_with fails here, not at the first prefill
+
+    @cached_property
+    def inner(self) -> Method | None:
+        """The method that compresses the prompt first (``compress_with``), or None."""
+        if self.compress_with is None:
+            return None
+        from . import method_from_spec
+
+        inner = method_from_spec(self.compress_with)
+        if inner.selects:
+            raise ValueError("compress_with must evict or merge, not select")
+        return inner
+
+    def needs(self) -> Needs:
+        own = Needs(key_pages=self.page_size)
+        return own if self.inner is None else own.union(self.inner.needs())
+
+    def kept_per_head(self, context_tokens: int) -> int | None:
+        return None if self.inner is None else self.inner.kept_per_head(context_tokens)
+
+    # ----- the inner method -------------------------------------------------------------------
+    @property
+    def plans_globally(self) -> bool:
+        return self.inner is not None and self.inner.plans_globally
+
+    def plan(self, layers):
+        return self.inner.plan(layers)
+
+    def compress(self, view, context, sizes=None) -> Edit | None:
+        return None if self.inner is None else self.inner.compress(view, context, sizes)
+
+    @property
+    def acts_while_decoding(self) -> bool:  # type: ignore[override]
+        return self.inner is not None and self.inner.acts_while_decoding
+
+    @property
+    def decodes_all_layers(self) -> bool:
+        return self.inner is None or self.inner.decodes_all_layers
+
+    def wants_col_sums(self, context) -> bool:
+        return self.inner is not None and self.inner.wants_col_sums(context)
+
+    def decode_step(self, view, context, col_sums):
+        return self.inner.decode_step(view, context, col_sums)
+
+    def stats(self, states, counts) -> dict:
+        return {} if self.inner is None else self.inner.stats(states, counts)
+
+    # ----- selection ---------------------------------------------------------------------------
+    @property
+    def selects(self) -> bool:
+        return True
+
+    def read_budget(self, view, context) -> torch.Tensor:
+        """Entries each row reads per KV head [B]: the budget, or ratio × the tokens seen."""
+        tokens = context.tokens_seen
+        if self.budget is not None:
+            return torch.full_like(tokens, self.budget)
+        return torch.clamp((tokens.double() * self.ratio).ceil().long(), min=1)
+
+    def select(self, view, context) -> torch.Tensor | None:
+        """The sinks, the recent entries and the best pages by bound, up to the read budget per head."""
+        b, h, length = view.shape
+        size = self.page_size
+        budget = self.read_budget(view, context)
+        if bool((view.lengths <= budget[:, None]).all()):
+            return None  # every head holds no more than it may read
+        device = view.positions.device
+        columns = torch.arange(length, device=device)
+        lengths = view.lengths.to(device)[..., None]  # [B, H, 1]
+        protected = (columns < self.sinks) | (columns >= lengths - self.recent)
+        protected &= columns < lengths
+        query = group_queries(context.query[:, :, -1:], h)[:, :, :, 0]  # [B, H, G, d]: the step's (last) query
+        bound = page_bounds(query, view.page_bounds).amax(dim=2)  # [B, H, pages]: the group's best
+        pages = bound.shape[-1]
+        unread = ~protected & (columns < lengths)
+        useful = torch.nn.functional.pad(unread, (0, pages * size - length)).view(b, h, pages, size).any(-1)
+        bound = bound.masked_fill(~useful, float("-inf"))  # pages read anyway, or past a head's end
+        # pages in budget: what the protected entries leave, in whole pages (at least one)
+        room = (budget.to(device)[:, None] - protected.sum(-1)).clamp(min=0)
+        count = torch.clamp(room // size, min=1)
+        rank = bound.argsort(dim=-1, descending=True).argsort(dim=-1)
+        chosen_pages = (rank < count[..., None]) & (bound > float("-inf"))
+        chosen = chosen_pages.repeat_interleave(size, dim=-1)[..., :length] & (columns < lengths)
+        read = chosen | protected
+        k = int(read.sum(-1).max())
+        order = torch.argsort((~read).to(torch.int8), dim=-1, stable=True)[..., :k]
+        return torch.where(read.gather(-1, order), order, -1)
+
+
+__all__ = ["Quest", "page_bounds"]
