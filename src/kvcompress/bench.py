@@ -109,7 +109,7 @@ def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_toke
         "compress_s": cache.timings["compress_s"],
         "decode_ms_per_token": 1000 * decode_wall / max(decode_tokens, 1),
         "kv_bytes": compressed["kv_bytes"], "kv_bytes_full": compressed["kv_bytes_full"],
-        "kr": compressed["kr"], "cr": compressed["cr"],
+        "kr": compressed["kr"], "cr": after_decode["cr"],  # entries read per decoding step ÷ full
         "peak_bytes": memory["peak_bytes"],
         "offloaded_bytes": after_decode.get("offloaded_bytes", 0),  # held off the accelerator (KeepKV refresh)
     }

@@ -222,12 +222,12 @@ def cmd_bench(args) -> int:
                 **{k: getattr(args, k) for k in ("methods", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}}
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
                device=str(model.device), threads=torch.get_num_threads())
-    print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | cr | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         size = r["budget"] if r["budget"] is not None else (f"{r['ratio']:g}" if r["ratio"] is not None else "—")
         print(f"| {r['context_tokens']} | {r['method']} | {size} | {r['prefill_s']:.2f} | {r['compress_s']:.3f} | "
-              f"{r['decode_ms_per_token']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {r['offloaded_bytes'] / 2**20:.1f} | "
+              f"{r['decode_ms_per_token']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {r['cr']:.3f} | {r['offloaded_bytes'] / 2**20:.1f} | "
               f"{r['peak_bytes'] / 2**20:.0f} | "
               f"{r.get('prefill_s_vs_full') or 0:.2f} | {r.get('decode_ms_per_token_vs_full') or 0:.2f} | "
               f"{r.get('kv_bytes_vs_full') or 0:.3f} | {r.get('compress_vs_full_prefill') or 0:.3f} |")
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
 
     def common(p):
-        p.add_argument("--model", default=None, help="checkpoint dir, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+        p.add_argument("--model", default=None, help="qwen2.5-coder-0.5b (the built-in second model, `make qwen`), a checkpoint dir, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--methods", default=",".join(available_methods()), help="comma-separated methods; options after colons, e.g. snapkv,keepkv:key_rule=votes")
         size = p.add_mutually_exclusive_group()
         size.add_argument("--budgets", help=f"comma-separated entries per KV head, e.g. 64,128,256 (default: {budgets or 'none'})")
-        size.add_argument("--ratios", help=f"comma-separated kept fractions, e.g. 0.1,0.25,0.5 (default: {ratios or 'none'})")
+        size.add_argument("--ratios", help=f"comma-separated fractions of the context kept (read per step for quest, omnikv), e.g. 0.1,0.25,0.5 (default: {ratios or 'none'})")
         p.set_defaults(default_budgets=budgets, default_ratios=ratios)
         p.add_argument("--out", default=out, help="output directory")
 

@@ -291,13 +291,13 @@ class Session:
         needs = method.needs()
         if not self.observe.covers(needs):
             raise ValueError(
-                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums}, "
-                f"hidden_stats={needs.hidden_stats} and key_pages={needs.key_pages}; build the shared prefill cache "
-                "with those settings (CompressedCache.shared(model, methods) does)."
+                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums} and "
+                f"hidden_stats={needs.hidden_stats}; build the shared prefill cache with those settings "
+                "(CompressedCache.shared(model, methods) does)."
             )
         twin = Session(method, self.pool, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, modules=self.modules,
                        rotary=self.rotary, observe=self.observe, compress_on_prefill=True)
-        twin.table = self.table.share(self.pool, pages=bool(needs.key_pages))
+        twin.table = self.table.share(self.pool, page_size=needs.key_pages)
         twin.batch_size, twin.notes = self.batch_size, set(self.notes)
         twin.layers = [dataclasses.replace(layer, state=dict(layer.state)) for layer in self.layers]
         twin._compress(range(self.num_layers))

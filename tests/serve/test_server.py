@@ -125,6 +125,7 @@ BAD = [
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "windw": 3, "ratio": 0.5}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "budget": 0}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "ratio": 1.5}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "quest", "ratio": 0.5, "compress_with": 5}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 10_000}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "w1", "n": 2}, 400, "n"),
@@ -151,16 +152,18 @@ def test_bad_chat_messages_are_refused(server):
 
 
 def test_concurrent_clients_with_mixed_compression_all_complete(server):
-    """24 concurrent chat completions: the default method, Ada-KV 0.25, StreamingLLM budget 128 and full, some streamed."""
-    kinds = [None, {"method": "adakv", "ratio": 0.25}, {"method": "streamingllm", "budget": 128}, {"method": "full"}]
+    """24 concurrent chat completions: the default method, Ada-KV 0.25, StreamingLLM budget 128, full, Quest
+    (dynamic selection, per request) and Quest over SnapKV, some streamed."""
+    kinds = [None, {"method": "adakv", "ratio": 0.25}, {"method": "streamingllm", "budget": 128}, {"method": "full"},
+             {"method": "quest", "budget": 16, "page_size": 4}, {"method": "quest", "ratio": 0.5, "compress_with": "snapkv:ratio=0.5"}]
     results, errors = {}, []
 
     def client(i):
         try:
             kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": words(40 + 7 * i, seed=i)}], max_tokens=10,
                           temperature=0)
-            if kinds[i % 4] is not None:
-                kwargs["extra_body"] = {"kv_compression": kinds[i % 4]}
+            if kinds[i % len(kinds)] is not None:
+                kwargs["extra_body"] = {"kv_compression": kinds[i % len(kinds)]}
             if i % 3 == 0:
                 chunks = list(server.client.chat.completions.create(stream=True, **kwargs))
                 results[i] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[0].finish_reason)

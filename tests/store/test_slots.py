@@ -104,7 +104,7 @@ def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, 
         elif op == "fork" and key is not None:
             new = counter["next"]
             counter["next"] += 1
-            tables[new] = tables[key].share(pool)
+            tables[new] = tables[key].share(pool, page_size=[None, 0, 2][seed % 3])  # the same pages, none, rebuilt
             models[new] = Model(rows_total, heads)
             models[new].heads = [[list(entries) for entries in row] for row in models[key].heads]
         elif op == "release" and key is not None:

@@ -53,15 +53,16 @@ class Needs:
     key_pages: int = 0
 
     def union(self, other: Needs) -> Needs:
-        """What two methods need together (one shared prefill serving both)."""
-        if self.key_pages and other.key_pages and self.key_pages != other.key_pages:
-            raise ValueError(f"methods sharing one prefill need pages of {self.key_pages} and {other.key_pages} entries: "
-                             "give them the same page_size")
+        """What two methods need together (one shared prefill serving both; pages of the first size
+        asked for — a fork wanting another size rebuilds its own)."""
         return Needs(max(self.window, other.window), self.attention_sums or other.attention_sums,
                      self.hidden_stats or other.hidden_stats, self.key_pages or other.key_pages)
 
     def covers(self, other: Needs) -> bool:
-        return self.union(other) == self
+        """Whether a prefill that recorded this serves ``other`` (page bounds need no observation: a fork
+        builds them from the keys held)."""
+        return (self.window >= other.window and (self.attention_sums or not other.attention_sums)
+                and (self.hidden_stats or not other.hidden_stats))
 
 
 @dataclass

@@ -42,6 +42,8 @@ class Quest(Method):
         page_size: entries per page (16, the paper's).
         sinks: first entries always read (4).
         recent: most recent entries always read (the current page and the ones before, 32).
+        dense_layers: the first layers read everything (2: the paper leaves its first two layers
+            dense, where attention is least sparse).
         compress_with: another method (name and options, ``"snapkv:ratio=0.5"``) compressing the
             prompt first; None = keep everything (the paper).
 
@@ -51,6 +53,7 @@ class Quest(Method):
     page_size: int = 16
     sinks: int = 4
     recent: int = 32
+    dense_layers: int = 2
     compress_with: str | None = None
 
     name: ClassVar[str] = "quest"
@@ -58,8 +61,9 @@ class Quest(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.page_size < 1 or self.sinks < 0 or self.recent < 1:
-            raise ValueError(f"page_size and recent must be ≥ 1 and sinks ≥ 0, got {self.page_size}, {self.recent}, {self.sinks}")
+        if self.page_size < 1 or self.sinks < 0 or self.recent < 1 or self.dense_layers < 0:
+            raise ValueError(f"page_size and recent must be ≥ 1, sinks and dense_layers ≥ 0, got {self.page_size}, "
+                             f"{self.recent}, {self.sinks}, {self.dense_layers}")
         _ = self.inner  # an unusable compress_with fails here, not at the first prefill
 
     @cached_property
@@ -67,6 +71,8 @@ class Quest(Method):
         """The method that compresses the prompt first (``compress_with``), or None."""
         if self.compress_with is None:
             return None
+        if not isinstance(self.compress_with, str):
+            raise ValueError(f"compress_with must be a method spec such as \"snapkv:ratio=0.5\", got {self.compress_with!r}")
         from . import method_from_spec
 
         inner = method_from_spec(self.compress_with)
@@ -123,6 +129,8 @@ class Quest(Method):
 
     def select(self, view, context) -> torch.Tensor | None:
         """The sinks, the recent entries and the best pages by bound, up to the read budget per head."""
+        if context.layer_idx < self.dense_layers:
+            return None
         b, h, length = view.shape
         size = self.page_size
         budget = self.read_budget(view, context)

@@ -513,9 +513,10 @@ class SlotTable:
 
     # ----- sharing -------------------------------------------------------------------------
     @_plain_tensors
-    def share(self, pool: SlotPool, rows: Rows = None, pages: bool = True) -> SlotTable:
+    def share(self, pool: SlotPool, rows: Rows = None, page_size: int | None = None) -> SlotTable:
         """An independent table holding the same entries as ``rows`` (their slots get one more holder each);
-        ``pages=False`` leaves the page bounds behind (a fork whose method does not read them)."""
+        ``page_size`` (None: this table's) sets the twin's page bounds: 0 leaves them behind (a fork whose
+        method does not read them), another size rebuilds them."""
         rows = _all(rows)
         twin = SlotTable.__new__(SlotTable)
         twin.device = self.device
@@ -523,9 +524,13 @@ class SlotTable:
         twin.weights = None if self.weights is None else self.weights[rows].clone()
         twin.columns = list(self.columns)
         twin.lengths = self.lengths[rows].clone()
-        twin.page_size = self.page_size if pages else 0
-        twin.page_bounds = None if self.page_bounds is None or not pages else self.page_bounds[rows].clone()
+        twin.page_size = self.page_size if page_size is None else page_size
+        twin.page_bounds = None
         pool.share(self.held_slots(rows))
+        if twin.page_size == self.page_size and self.page_bounds is not None:
+            twin.page_bounds = self.page_bounds[rows].clone()
+        else:
+            twin._refresh_pages(pool, slice(None))
         return twin
 
     @_plain_tensors
