@@ -47,6 +47,7 @@ class LayerState:
     observations: dict = field(default_factory=dict)
     seen: int = 0
     tokens_seen: torch.Tensor | None = None
+    uncoded: int = 0  # entries appended per head since the layer was last coded (coded storage)
 
 
 class Session:
@@ -81,6 +82,9 @@ class Session:
         self._pending: dict[int, tuple] = {}  # this step's reads, for a method acting on every layer at once
         self._step: dict = {}  # scratch shared by the layers of one decoding step (LayerContext.step)
         self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
+        storage = method.storage(pool.dtype)
+        self.code_tier = pool.tier(storage[0]) if storage else 0  # coded storage: the pool tier, 0 = plain
+        self.code_recent = storage[1] if storage else 0  # newest entries per head kept plain
 
     def rows(self, layer_idx: int) -> slice:
         """The table rows of a layer."""
@@ -165,6 +169,9 @@ class Session:
             if edit is not None:
                 self.apply(i, edit)
             self.layers[i].observations = {}
+        if self.code_tier:
+            self.table.code(self.pool, self.code_tier, self.code_recent,
+                            slice(min(indices) * self.batch_size, (max(indices) + 1) * self.batch_size))
         if indices[-1] == self.num_layers - 1:
             self.table.shrink()  # the prompt is compressed: give back the table's room for it
         self.timings["compress_s"] += time.perf_counter() - start
@@ -222,6 +229,11 @@ class Session:
         layer = self.layers[layer_idx]
         layer.seen += key.shape[2]
         layer.tokens_seen = layer.tokens_seen + key.shape[2]
+        if self.code_tier:
+            layer.uncoded += key.shape[2]
+            if layer.uncoded >= self.pool.tiers[self.code_tier - 1].codec.block_size:  # a block's worth: code it
+                self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(layer_idx))
+                layer.uncoded = 0
 
     def wants_col_sums(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:
         """Whether the method needs this step's per-entry column sums from the read."""

@@ -7,33 +7,43 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompress.store.slots import LENGTH_BYTES, SlotTable, PoolExhausted, SlotPool
+from kvcompress.store.codecs import KiviCodec
+from kvcompress.store.slots import LENGTH_BYTES, TIER_SHIFT, SlotTable, PoolExhausted, SlotPool
 from kvcompress.store.view import Edit, Rewrite
 
 DIM = 4
 
 
 class Model:
-    """What a table should hold, kept in plain Python: per (row, head) a list of (position, key value)."""
+    """What a table should hold, kept in plain Python: per (row, head) a list of (position, key value); the
+    value is minus the entry's original key (coding changes keys by at most half a step, values of a constant
+    entry not at all)."""
 
     def __init__(self, batch, heads):
         self.heads = [[[] for _ in range(heads)] for _ in range(batch)]
 
 
 def _check(pool: SlotPool, tables: dict[int, SlotTable], models: dict[int, Model]) -> None:
-    holders = Counter()
+    holders, blocks = Counter(), Counter()
     for table in tables.values():
-        holders.update(table.held_slots().tolist())
-    assert all(count >= 1 for count in holders.values())
+        for entry in table.held_slots().tolist():
+            if entry >> TIER_SHIFT:  # a coded entry: its block is held once per entry naming it
+                blocks[entry >> TIER_SHIFT, (entry & (2**TIER_SHIFT - 1)) // pool.tiers[0].codec.block_size] += 1
+            else:
+                holders[entry] += 1
     refs = pool.refs
     for slot, count in holders.items():
         assert int(refs[slot]) == count  # every holder counted once: nothing leaked, nothing doubly owned
+    for (tier, block), count in blocks.items():
+        assert int(pool.tiers[tier - 1].refs[block]) == count
     free = set(pool._free[: pool._top].tolist())
     assert len(free) == pool._top  # no slot twice on the free list
     assert free.isdisjoint(holders) and 0 not in free
     assert pool.num_used == len(holders) == pool.capacity - len(free)  # every slot is held or free
     assert int(refs[list(free)].abs().sum()) == 0 if free else True
-    assert pool.used_bytes == len(holders) * pool.bytes_per_slot
+    store = pool.tiers[0]
+    assert store.num_used == len(blocks)
+    assert pool.used_bytes == len(holders) * pool.bytes_per_slot + len(blocks) * store.bytes_per_slot
     for key, table in tables.items():
         view = table.view(pool)
         model = models[key]
@@ -41,10 +51,11 @@ def _check(pool: SlotPool, tables: dict[int, SlotTable], models: dict[int, Model
             for h, entries in enumerate(row):
                 n = int(table.lengths[b, h])
                 assert n == len(entries)
-                assert view.positions[b, h, :n].tolist() == [p for p, _ in entries]
-                assert view.keys[b, h, :n, 0].tolist() == [float(k) for _, k in entries]
-                assert torch.equal(view.values[b, h, :n, 0], -view.keys[b, h, :n, 0])
-        expected = table.num_entries() * (pool.bytes_per_slot + 4 + 4) + table.lengths.numel() * LENGTH_BYTES
+                assert view.positions[b, h, :n].tolist() == [p for p, _, _ in entries]
+                assert view.keys[b, h, :n, 0].tolist() == [float(k) for _, k, _ in entries]
+                assert view.values[b, h, :n, 0].tolist() == [v for _, _, v in entries]
+        held = table.held_slots()
+        expected = pool.held_bytes(held) + held.numel() * (4 + 4) + table.lengths.numel() * LENGTH_BYTES
         if table.page_size:
             _check_page_bounds(table, view)
             pages = int(((table.lengths + table.page_size - 1) // table.page_size).sum())
@@ -64,7 +75,7 @@ def _check_page_bounds(table: SlotTable, view) -> None:
                 assert torch.equal(table.page_bounds[b, h, page, 1], keys.amax(0))
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", "rewrite"]), st.integers(0, 10**6)),
+OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", "rewrite", "code"]), st.integers(0, 10**6)),
                min_size=1, max_size=25)
 
 
@@ -72,8 +83,10 @@ OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", 
 @given(ops=OPS, batch=st.integers(1, 2), heads=st.integers(1, 3), page_size=st.sampled_from([0, 1, 3, 4]))
 def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, batch, heads, page_size):
     """Two layers of rows (as a session keeps them); each operation acts on one layer's rows or on all.
-    With pages (Quest's index), every page's key bounds stay those of the keys it holds."""
+    With pages (Quest's index), every page's key bounds stay those of the keys it holds. Coding (KIVI, in
+    blocks of 2) moves entries into blocks: keys change within half a step, positions and values not."""
     pool = SlotPool(DIM, initial=8)  # small: the pool grows along the way
+    tier = pool.tier(KiviCodec(4, 2))
     rows_total = 2 * batch
     tables, models = {0: SlotTable(rows_total, heads, page_size=page_size)}, {0: Model(rows_total, heads)}
     counter = {"position": 0, "value": 1.0, "next": 1}
@@ -93,7 +106,8 @@ def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, 
             tables[key].append(pool, keys, -keys, positions, rows=rows)
             for i, row in enumerate(picked):
                 for h in range(heads):
-                    models[key].heads[row][h] += [(int(positions[i, j]), float(values[i, h, j])) for j in range(q)]
+                    models[key].heads[row][h] += [(int(positions[i, j]), float(values[i, h, j]), -float(values[i, h, j]))
+                                                  for j in range(q)]
         elif op == "evict" and key is not None:
             length, _ = tables[key].span(rows)
             keep = torch.rand(r, heads, length, generator=gen) < 0.6
@@ -125,13 +139,26 @@ def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, 
             tables[key].apply(pool, Edit(rewrite=Rewrite(mask, keys[mask], -keys[mask])), rows)
             for i, row in enumerate(picked):
                 for h, entries in enumerate(models[key].heads[row]):
-                    for j, (position, _) in enumerate(entries):
+                    for j, (position, _, _) in enumerate(entries):
                         if bool(mask[i, h, j]):
-                            entries[j] = (position, float(new_values[i, h, j]))
+                            entries[j] = (position, float(new_values[i, h, j]), -float(new_values[i, h, j]))
+        elif op == "code" and key is not None:
+            tables[key].code(pool, tier, seed % 3, rows)
+            view = tables[key].view(pool)
+            for row in picked:
+                for h, entries in enumerate(models[key].heads[row]):
+                    if not entries:
+                        continue
+                    spread = max(k for _, k, _ in entries) - min(k for _, k, _ in entries)
+                    for j, (position, k, v) in enumerate(entries):
+                        decoded = float(view.keys[row, h, j, 0])
+                        assert abs(decoded - k) <= spread / 30 * 1.01 + abs(k) * 2**-10  # half a 4-bit step
+                        entries[j] = (position, decoded, v)
         _check(pool, tables, models)
     for table in tables.values():
         table.release(pool)
     assert pool.num_used == 0 and int(pool.refs.sum()) == 0  # everything comes back
+    assert pool.tiers[0].num_used == 0 and int(pool.tiers[0].refs.sum()) == 0
 
 
 def test_a_rewrite_never_shows_in_a_fork():

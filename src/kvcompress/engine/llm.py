@@ -103,6 +103,7 @@ class LLM:
 
     def check_fits(self, prompt_ids: list[int], sampling_params: SamplingParams, method: Method) -> None:
         """Refuse a request that could not fit in the pool even alone (a clear error, nothing queued)."""
+        _check_plain(method)
         probe = Request(-1, list(prompt_ids), sampling_params, method)
         need = self.scheduler.peak(probe) + self.scheduler.growth(probe)
         if need > self.pool.capacity:
@@ -192,6 +193,8 @@ class LLM:
         methods = [get_method("full") if m is None else get_method(m) if isinstance(m, str) else m for m in method]
         if len(methods) != count:
             raise ValueError(f"{len(methods)} methods for {count} prompts: give one method, or one per prompt")
+        for m in methods:
+            _check_plain(m)
         return methods
 
     def check_prompt(self, prompt, params: SamplingParams) -> list[int]:
@@ -243,6 +246,13 @@ class LLM:
             "pool_used_bytes": self.pool.used_bytes,
             "pool_peak_bytes": s["pool_peak_slots"] * per_slot,
         }
+
+
+def _check_plain(method: Method) -> None:
+    """The engine's fixed pool admits requests by plain slots: coded storage is not served yet."""
+    if method.storage() is not None:
+        raise ValueError(f"{method.label}: coded storage (kivi, codec=) is not in the engine yet; "
+                         "use kvc.generate, eval or bench without --engine for it")
 
 
 __all__ = ["LLM"]

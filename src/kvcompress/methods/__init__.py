@@ -19,6 +19,7 @@ from .full import Full
 from .gvote import GVote
 from .h2o import H2O
 from .keepkv import KeepKV
+from .kivi import KIVI
 from .momentkv import MomentKV
 from .omnikv import OmniKV
 from .pyramidkv import PyramidKV
@@ -27,7 +28,7 @@ from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O, OmniKV, Quest)
+    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O, OmniKV, Quest, KIVI)
 }
 
 

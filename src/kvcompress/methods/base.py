@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..store.codecs import Codec
 from ..store.view import Edit, KVView, LayerContext, LayerInput
 
 PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank by recency above it
@@ -70,11 +71,13 @@ class Method:
     """Base of every method: a budget (entries per KV head on average) or a ratio of the context.
 
     ``budget`` and ``ratio`` are exclusive. A budget at or above a row's context length keeps
-    everything (nothing to compress) and the cache notes it in its stats.
+    everything (nothing to compress) and the cache notes it in its stats. ``codec`` stores what
+    the method holds as codes: a coding method's spec (``"kivi"``, ``"kivi:bits=4"``); None = plain.
     """
 
     budget: int | None = None
     ratio: float | None = None
+    codec: str | None = None
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
@@ -82,6 +85,8 @@ class Method:
     acts_while_decoding: ClassVar[bool] = False  # decode_step is called after every decoding step
 
     def __post_init__(self) -> None:
+        if self.codec is not None:
+            self.storage()  # an unusable codec fails here, not at the first prefill
         if not self.needs_budget:
             return
         if (self.budget is None) == (self.ratio is None):
@@ -116,6 +121,20 @@ class Method:
         }
 
     # ----- the contract -------------------------------------------------------------------------
+    def storage(self, dtype: torch.dtype = torch.float32) -> tuple[Codec, int] | None:
+        """How held entries are stored for a model of ``dtype``: (the codec, each head's newest entries kept
+        plain), or None for plain storage (``codec``)."""
+        if self.codec is None:
+            return None
+        if not isinstance(self.codec, str):
+            raise ValueError(f"codec must name a coding method such as \"kivi:bits=4\", got {self.codec!r}")
+        from . import method_from_spec
+
+        coder = method_from_spec(self.codec)
+        if type(coder).storage is Method.storage:
+            raise ValueError(f"codec={self.codec!r} is not a codec; coding methods: kivi")
+        return coder.storage(dtype)
+
     def needs(self) -> Needs:
         return Needs()
 

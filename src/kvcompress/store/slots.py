@@ -1,12 +1,15 @@
 """The slot pool: where every KV entry lives, and the slot tables that say which entries a head holds.
 
 * ``SlotPool``: one set of per-slot arrays for every layer and sequence. A slot holds one
-  entry — the key and the value of one KV head at one token, stored by a codec — so layers
-  and heads may hold any number of entries within one memory budget. Slot 0 is never
-  handed out (padded tables point at it). A free list hands out and takes back slots;
-  reference counts let forks of a sequence share entries (a slot is free again when its
-  last holder lets it go). A fixed pool (``capacity=``, the engine) raises
-  ``PoolExhausted`` when full; a growable one (the single-request cache) doubles.
+  entry — the key and the value of one KV head at one token — so layers and heads may hold
+  any number of entries within one memory budget. Slot 0 is never handed out (padded
+  tables point at it). A free list hands out and takes back slots; reference counts let
+  forks of a sequence share entries (a slot is free again when its last holder lets it go).
+  A fixed pool (``capacity=``, the engine) raises ``PoolExhausted`` when full; a growable
+  one (the single-request cache) doubles. Coded entries (KIVI) live in tiers beside the
+  plain slots: tier t ≥ 1 is a growable pool of blocks of one codec, and an entry id
+  ``t << TIER_SHIFT | block · block_size + offset`` names an entry inside a block; a block
+  is held once per entry naming it, so it is freed when its last entry goes.
 * ``SlotTable``: rows × KV heads of slot tables — per (row, KV head) the slots of the
   entries it holds, their positions, optional log-weights and per-entry method channels,
   left-aligned in arrays [R, H, capacity] that grow by doubling. A session keeps one table
@@ -30,6 +33,8 @@ from .codecs import Codec, PlainCodec
 from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KVView
 
 PAD_SLOT = 0
+TIER_SHIFT = 27  # entry ids are int32: tiers 1..15 of coded blocks above 2^27 plain slots
+MAX_TIERS = 15
 INDEX_BYTES = 4  # a slot index (int32) per entry
 POSITION_BYTES = 4  # an original position (int32) per entry
 WEIGHT_BYTES = 4  # a log-weight or a channel value (float32) per entry
@@ -72,8 +77,8 @@ class SlotPool:
     @_plain_tensors
     def __init__(self, head_dim: int, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  capacity: int | None = None, codec: Codec | None = None, initial: int = 4096):
-        if capacity is not None and capacity < 1:
-            raise ValueError(f"a fixed pool needs at least one slot, got capacity={capacity}")
+        if capacity is not None and not 1 <= capacity < 2**TIER_SHIFT:
+            raise ValueError(f"a fixed pool needs between 1 and {2**TIER_SHIFT - 1} slots, got capacity={capacity}")
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
@@ -86,6 +91,7 @@ class SlotPool:
         self._free = torch.arange(size - 1, 0, -1, dtype=torch.long, device="cpu")  # a stack, top at the end: slots 1, 2, ... first
         self._top = size - 1
         self.peak_used = 0
+        self.tiers: list[SlotPool] = []  # tier t ≥ 1: a pool of coded blocks (``tier``)
 
     # ----- sizes ---------------------------------------------------------------------------
     @property
@@ -107,23 +113,56 @@ class SlotPool:
 
     @property
     def capacity_bytes(self) -> int:
-        return self.capacity * self.bytes_per_slot
+        return self.capacity * self.bytes_per_slot + sum(tier.capacity_bytes for tier in self.tiers)
 
     @property
     def used_bytes(self) -> int:
-        return self.num_used * self.bytes_per_slot
+        return self.num_used * self.bytes_per_slot + sum(tier.used_bytes for tier in self.tiers)
+
+    def held_bytes(self, ids: torch.Tensor) -> int:
+        """Bytes of storage behind entry ids [...]: a plain slot each, and every coded block they touch
+        (whole: a block partly evicted still holds all its memory)."""
+        flat = ids.reshape(-1).long()
+        if not self.tiers:
+            return flat.numel() * self.bytes_per_slot
+        tiers = flat >> TIER_SHIFT
+        held = int((tiers == 0).sum()) * self.bytes_per_slot
+        for t, store in enumerate(self.tiers, start=1):
+            blocks = (flat[tiers == t] & (2**TIER_SHIFT - 1)) // store.codec.block_size
+            held += torch.unique(blocks).numel() * store.bytes_per_slot
+        return held
+
+    # ----- coded tiers ---------------------------------------------------------------------
+    def tier(self, codec: Codec) -> int:
+        """The tier storing entries with ``codec`` (made on first use; codecs with the same ``key`` share one)."""
+        for t, store in enumerate(self.tiers, start=1):
+            if store.codec.key == codec.key:
+                return t
+        if len(self.tiers) == MAX_TIERS:
+            raise ValueError(f"a pool holds at most {MAX_TIERS} codecs at once")
+        self.tiers.append(SlotPool(self.head_dim, dtype=self.dtype, device=self.device, codec=codec, initial=64))
+        return len(self.tiers)
+
+    @_plain_tensors
+    def encode(self, tier: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Store n blocks of entries (keys, values [n, block_size, d]) in ``tier``: their entry ids [n, block_size]."""
+        store = self.tiers[tier - 1]
+        size = store.codec.block_size
+        blocks = store.allocate(keys.shape[0], holders=size)
+        store.write(blocks, keys, values)
+        return (tier << TIER_SHIFT) | (blocks[:, None] * size + torch.arange(size, device=blocks.device))
 
     # ----- allocation ----------------------------------------------------------------------
     @_plain_tensors
-    def allocate(self, n: int) -> torch.Tensor:
-        """``n`` free slots (int64 on the pool's device), each with one holder."""
+    def allocate(self, n: int, holders: int = 1) -> torch.Tensor:
+        """``n`` free slots (int64 on the pool's device), each with ``holders`` holders."""
         if n > self._top:
             if self.fixed:
                 raise PoolExhausted(n, self._top)
             self._grow(n - self._top)
         slots = self._free[self._top - n : self._top].flip(0)
         self._top -= n
-        self.refs[slots] = 1
+        self.refs[slots] = holders
         self.peak_used = max(self.peak_used, self.num_used)
         return slots.to(self.device)
 
@@ -135,14 +174,30 @@ class SlotPool:
 
     @_plain_tensors
     def share(self, slots: torch.Tensor) -> None:
-        """One more holder for each of ``slots`` (a fork)."""
-        index = slots.reshape(-1).long().cpu()
-        self.refs.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
+        """One more holder for each of ``slots`` (entry ids: a fork)."""
+        for store, index in self._by_tier(slots):
+            store.refs.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
 
     @_plain_tensors
     def release(self, slots: torch.Tensor) -> None:
-        """One holder fewer for each of ``slots``; slots nobody holds go back to the free list."""
-        index = slots.reshape(-1).long().cpu()
+        """One holder fewer for each of ``slots`` (entry ids); slots and blocks nobody holds are free again."""
+        for store, index in self._by_tier(slots):
+            store._let_go(index)
+
+    def _by_tier(self, ids: torch.Tensor):
+        """(pool, its slots or blocks [n] int64 on the CPU) for the entry ids [...]: one pair per tier they use."""
+        index = ids.reshape(-1).long().cpu()
+        if not self.tiers:
+            yield self, index
+            return
+        tiers = index >> TIER_SHIFT
+        yield self, index[tiers == 0]
+        for t, store in enumerate(self.tiers, start=1):
+            local = index[tiers == t]
+            if local.numel():
+                yield store, (local & (2**TIER_SHIFT - 1)) // store.codec.block_size
+
+    def _let_go(self, index: torch.Tensor) -> None:
         if index.numel() == 0:
             return
         self.refs.index_add_(0, index, torch.full_like(index, -1, dtype=torch.int32))
@@ -156,6 +211,8 @@ class SlotPool:
     def _grow(self, needed: int, factor: float = 1.5) -> None:
         old = self.refs.shape[0]
         size = max(int(old * factor), old + needed)
+        if size * self.codec.block_size > 2**TIER_SHIFT:  # entry ids must stay below the tier bits
+            raise PoolExhausted(needed, self._top)
         for name, array in self.arrays.items():
             grown = torch.zeros(size, *array.shape[1:], dtype=array.dtype, device=array.device)
             grown[:old] = array
@@ -177,10 +234,22 @@ class SlotPool:
             array.index_copy_(0, index, rows[name])
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [..., d] of ``slots`` [...] (decoded by the codec)."""
+        """Keys and values [..., d] of entry ids ``slots`` [...] (coded entries decoded: only these)."""
         index = slots.reshape(-1).long()
-        rows = {name: array.index_select(0, index).view(*slots.shape, *array.shape[1:]) for name, array in self.arrays.items()}
-        return self.codec.decode(rows)
+        tiers = (index >> TIER_SHIFT) if self.tiers else None
+        if tiers is None or not bool(tiers.any()):
+            shape = (*slots.shape, self.head_dim)
+            return self.arrays["keys"].index_select(0, index).view(shape), self.arrays["values"].index_select(0, index).view(shape)
+        plain = torch.where(tiers == 0, index, PAD_SLOT)  # coded entries read padding here, then are overwritten
+        keys, values = self.arrays["keys"].index_select(0, plain), self.arrays["values"].index_select(0, plain)
+        for t, store in enumerate(self.tiers, start=1):
+            where = (tiers == t).nonzero().squeeze(1)
+            if where.numel():
+                k, v = store.codec.decode(store.arrays, index.index_select(0, where) & (2**TIER_SHIFT - 1))
+                keys.index_copy_(0, where, k.to(self.dtype))
+                values.index_copy_(0, where, v.to(self.dtype))
+        shape = (*slots.shape, self.head_dim)
+        return keys.view(shape), values.view(shape)
 
 
 Rows = slice | None  # a range of a table's rows; None = all
@@ -243,14 +312,17 @@ class SlotTable:
         """int32 [R, H, capacity]: each entry's original position (a view)."""
         return self.ids[..., 1]
 
-    def entry_bytes(self, pool: SlotPool) -> int:
-        """Bytes one entry costs: its slot, its slot index and position, its log-weight and channels."""
-        return pool.bytes_per_slot + INDEX_BYTES + POSITION_BYTES + WEIGHT_BYTES * len(self.columns)
+    def entry_metadata_bytes(self) -> int:
+        """Bytes one entry costs in the table: its slot index and position, its log-weight and channels."""
+        return INDEX_BYTES + POSITION_BYTES + WEIGHT_BYTES * len(self.columns)
 
     def nbytes(self, pool: SlotPool, rows: Rows = None) -> int:
-        """Bytes held for ``rows``: every entry (``entry_bytes``), a length per head and the page bounds."""
+        """Bytes held for ``rows``: the storage behind every entry (``SlotPool.held_bytes``), its metadata,
+        a length per head and the page bounds."""
         lengths = self.lengths[_all(rows)]
-        held = int(lengths.sum()) * self.entry_bytes(pool) + lengths.numel() * LENGTH_BYTES
+        entries = int(lengths.sum())
+        storage = entries * pool.bytes_per_slot if not pool.tiers else pool.held_bytes(self.held_slots(rows))
+        held = storage + entries * self.entry_metadata_bytes() + lengths.numel() * LENGTH_BYTES
         if self.page_bounds is not None:
             pages = int(((lengths + self.page_size - 1) // self.page_size).sum())
             held += pages * 2 * self.page_bounds.shape[-1] * self.page_bounds.element_size()
@@ -511,6 +583,32 @@ class SlotTable:
             if dropped.numel():
                 self._refresh_pages(pool, rows, int(dropped[0]))
 
+    @_plain_tensors
+    def code(self, pool: SlotPool, tier: int, recent: int, rows: Rows = None) -> int:
+        """Move plain entries of ``rows`` into ``tier``'s codec, in blocks of consecutive entries of one head,
+        oldest first; each head's ``recent`` newest entries (and what falls short of a block) stay plain.
+        Returns the entries coded. New blocks are written and the plain slots let go, so forks sharing
+        them are untouched."""
+        rows = _all(rows)
+        size = pool.tiers[tier - 1].codec.block_size
+        longest, _ = self.span(rows)
+        slots = self.ids[rows, :, :longest, 0]  # a view: written below
+        columns = torch.arange(longest, device=self.device)
+        limit = (self.lengths[rows] - recent).to(self.device)[..., None]
+        plain = ((slots >> TIER_SHIFT) == 0) & (columns < limit)
+        take = plain.sum(-1, keepdim=True) // size * size
+        if not bool((take > 0).any()):
+            return 0
+        chosen = plain & (plain.cumsum(-1) <= take)
+        old = slots[chosen]  # head by head, oldest first: whole blocks of one head each
+        keys, values = pool.gather(old)
+        d = keys.shape[-1]
+        slots[chosen] = pool.encode(tier, keys.view(-1, size, d), values.view(-1, size, d)).reshape(-1).to(torch.int32)
+        pool.release(old)
+        if self.page_size:  # Quest's bounds follow the keys as they will be read
+            self._refresh_pages(pool, rows, int(chosen.flatten(0, 1).any(0).nonzero()[0]))
+        return old.numel()
+
     # ----- sharing -------------------------------------------------------------------------
     @_plain_tensors
     def share(self, pool: SlotPool, rows: Rows = None, page_size: int | None = None) -> SlotTable:
@@ -605,4 +703,4 @@ def _scatter_rows(array: torch.Tensor, index: torch.Tensor, source: torch.Tensor
     array[b_idx, h_idx, index[b_idx, h_idx, j_idx]] = source[b_idx, h_idx, j_idx]
 
 
-__all__ = ["PAD_SLOT", "PoolExhausted", "SlotPool", "SlotTable"]
+__all__ = ["PAD_SLOT", "TIER_SHIFT", "PoolExhausted", "SlotPool", "SlotTable"]

@@ -1,0 +1,122 @@
+"""KIVI as a method and as any method's codec: exactness where nothing is coded, kr from the accounting
+formula, composition with eviction, forks, bf16, and clear errors."""
+
+import pytest
+import torch
+
+from common import layers_of, tiny_model
+from kvcompress import CompressedCache, get_method
+from kvcompress.methods import method_from_spec
+from kvcompress.store.slots import TIER_SHIFT
+
+D, HEADS, LAYERS = 16, 2, 2  # tiny_model's head dim, KV heads and layers
+
+
+def _generate(model, ids, cache, new=8):
+    return model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0)
+
+
+def test_kivi_with_every_entry_in_its_residual_decodes_as_the_full_cache():
+    model = tiny_model(seed=3)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    reference = _generate(model, ids, CompressedCache(model, get_method("full")))
+    cache = CompressedCache(model, get_method("kivi", residual=100))
+    assert torch.equal(_generate(model, ids, cache), reference)
+    assert cache.session.pool.tiers[0].num_used == 0  # nothing was coded
+
+
+def _expected_bytes(coded: int, plain: int, bits: int, group: int) -> int:
+    """KIVI's accounting for one head: whole blocks of codes with 16-bit zero points and scales (keys per
+    channel per block, values per entry per channel group), plain fp32 entries, and the table's slot index
+    and position per entry and length per head."""
+    codes = 2 * group * D * bits // 8
+    key_params = 2 * D * 2
+    value_params = group * (D // min(group, D)) * 2 * 2
+    block = codes + key_params + value_params
+    return (coded // group) * block + plain * 2 * D * 4 + (coded + plain) * 8 + 8
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kr_is_the_accounting_formula_over_full(bits):
+    model = tiny_model(seed=1)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    method = get_method("kivi", bits=bits, group_size=8, residual=20)
+    cache = CompressedCache(model, method)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache).logits
+    stats = cache.stats()
+    full = LAYERS * 100 * 2 * HEADS * D * 4
+    assert stats["kv_bytes_full"] == full
+    assert stats["kv_bytes"] == LAYERS * HEADS * _expected_bytes(80, 20, bits, 8)  # 80 coded in 10 blocks, 20 plain
+    assert stats["kr"] == stats["kv_bytes"] / full
+    with torch.no_grad():  # 13 new tokens: one more block (the 8 after the oldest plain ones) is coded on the way
+        for _ in range(13):
+            out = model(out[:, -1:].argmax(-1), past_key_values=cache).logits
+    assert cache.stats()["kv_bytes"] == LAYERS * HEADS * _expected_bytes(88, 25, bits, 8)
+
+
+def test_snapkv_with_a_kivi_codec_keeps_what_snapkv_keeps_in_fewer_bytes():
+    model = tiny_model(seed=2)
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
+    plain = CompressedCache(model, get_method("snapkv", ratio=0.5, window=8))
+    coded = CompressedCache(model, method_from_spec('snapkv:window=8:codec="kivi:bits=4:group_size=8:residual=8"', ratio=0.5))
+    for cache in (plain, coded):
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+    for a, b in zip(layers_of(plain), layers_of(coded)):
+        assert torch.equal(a.view().positions, b.view().positions)
+        ids_held = b.session.table.ids[b.session.rows(b.idx), :, :, 0]
+        assert bool((ids_held >> TIER_SHIFT > 0).any())  # what snapkv keeps is coded
+    assert coded.stats()["kr"] < 0.5 * plain.stats()["kr"]
+    assert coded.session.method.label == "snapkv@0.5[codec=kivi:bits=4:group_size=8:residual=8,window=8]"
+
+
+def test_a_kivi_fork_equals_kivi_directly_and_leaves_the_shared_prefill_plain():
+    model = tiny_model(seed=4)
+    ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(4))
+    method = get_method("kivi", group_size=8, residual=16)
+    direct = CompressedCache(model, method)
+    shared = CompressedCache(model, compress_on_prefill=False)
+    for cache in (direct, shared):
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+    before = shared.stats()
+    forked = shared.fork(method)
+    for a, b in zip(layers_of(direct), layers_of(forked)):
+        assert torch.equal(a.view().keys, b.view().keys) and torch.equal(a.view().values, b.view().values)
+    assert shared.stats() == before
+    assert bool((shared.session.table.ids[..., 0] >> TIER_SHIFT == 0).all())
+    assert torch.equal(_generate(model, ids, forked), _generate(model, ids, direct))
+
+
+def test_kivi_on_a_bf16_model_stays_finite():
+    model = tiny_model(seed=5).to(torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(5))
+    cache = CompressedCache(model, get_method("kivi", residual=0, group_size=8))
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+        logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+    assert bool(torch.isfinite(logits).all())
+    assert cache.session.pool.tiers[0].codec.param_dtype == torch.bfloat16
+
+
+def test_bad_codecs_fail_clearly():
+    with pytest.raises(ValueError, match="2 or 4 bits"):
+        get_method("kivi", bits=3)
+    with pytest.raises(ValueError, match="residual"):
+        get_method("kivi", residual=-1)
+    with pytest.raises(ValueError, match="codec itself"):
+        get_method("kivi", codec="kivi")
+    with pytest.raises(ValueError, match="not a codec"):
+        get_method("snapkv", ratio=0.5, codec="snapkv:ratio=0.5")
+    with pytest.raises(ValueError, match="must name a coding method"):
+        get_method("snapkv", ratio=0.5, codec=4)
+
+
+def test_the_engine_refuses_coded_storage_with_a_clear_error():
+    from engine.test_llm import make_llm, sharp_model
+
+    llm = make_llm(sharp_model(seed=1, layers=2))
+    with pytest.raises(ValueError, match="not in the engine yet"):
+        llm.generate([[5, 6, 7]], method=get_method("kivi"))
+    assert not llm.has_unfinished()
