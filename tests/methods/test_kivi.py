@@ -120,3 +120,23 @@ def test_the_engine_refuses_coded_storage_with_a_clear_error():
     with pytest.raises(ValueError, match="not in the engine yet"):
         llm.generate([[5, 6, 7]], method=get_method("kivi"))
     assert not llm.has_unfinished()
+
+
+def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypatch):
+    """``omnikv:codec="kivi"``: the layers after a filter layer decode only the entries they select."""
+    from kvcompress.store.codecs import KiviCodec
+
+    decoded = []
+    original = KiviCodec.decode
+    monkeypatch.setattr(KiviCodec, "decode", lambda self, arrays, entries: decoded.append(entries.numel()) or original(self, arrays, entries))
+    model = tiny_model(seed=6, layers=4)
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
+    method = method_from_spec('omnikv:filters=(1,):recent=8:sinks=2:codec="kivi:group_size=8:residual=8"', budget=24)
+    cache = CompressedCache(model, method)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+        decoded.clear()
+        model(logits[:, -1:].argmax(-1), past_key_values=cache)
+    held = cache.stats()["entries"] // 4  # per layer (1 batch row × 2 KV heads)
+    assert len(decoded) == 4 and decoded[0] == decoded[1] > 150  # layers 0 and 1 (the filter) read every coded entry
+    assert decoded[2] <= 2 * 24 and decoded[3] <= 2 * 24 < held  # the layers after it: only what they select

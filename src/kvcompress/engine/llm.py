@@ -103,7 +103,7 @@ class LLM:
 
     def check_fits(self, prompt_ids: list[int], sampling_params: SamplingParams, method: Method) -> None:
         """Refuse a request that could not fit in the pool even alone (a clear error, nothing queued)."""
-        _check_plain(method)
+        check_servable(method)
         probe = Request(-1, list(prompt_ids), sampling_params, method)
         need = self.scheduler.peak(probe) + self.scheduler.growth(probe)
         if need > self.pool.capacity:
@@ -194,7 +194,7 @@ class LLM:
         if len(methods) != count:
             raise ValueError(f"{len(methods)} methods for {count} prompts: give one method, or one per prompt")
         for m in methods:
-            _check_plain(m)
+            check_servable(m)
         return methods
 
     def check_prompt(self, prompt, params: SamplingParams) -> list[int]:
@@ -248,11 +248,11 @@ class LLM:
         }
 
 
-def _check_plain(method: Method) -> None:
+def check_servable(method: Method) -> None:
     """The engine's fixed pool admits requests by plain slots: coded storage is not served yet."""
     if method.storage() is not None:
         raise ValueError(f"{method.label}: coded storage (kivi, codec=) is not in the engine yet; "
                          "use kvc.generate, eval or bench without --engine for it")
 
 
-__all__ = ["LLM"]
+__all__ = ["LLM", "check_servable"]
