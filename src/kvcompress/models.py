@@ -265,9 +265,14 @@ def embedded_gguf() -> Path:
 
 def embedded_checkpoint() -> Path:
     """Directory of the embedded model as a plain HF checkpoint, converting it on first use."""
-    target = cache_dir() / "models" / EMBEDDED_MODEL
+    return _checkpoint(EMBEDDED_MODEL, embedded_gguf)
+
+
+def _checkpoint(name: str, gguf) -> Path:
+    """The cached HF checkpoint of a built-in model, converted from ``gguf()`` on first use."""
+    target = cache_dir() / "models" / name
     if not (target / "config.json").is_file():
-        _convert_gguf(embedded_gguf(), target)
+        _convert_gguf(gguf(), target)
     return target
 
 
@@ -305,10 +310,7 @@ def second_gguf() -> Path:
 
 def second_checkpoint() -> Path:
     """Directory of the second built-in model as a plain HF checkpoint, joined and converted on first use."""
-    target = cache_dir() / "models" / SECOND_MODEL
-    if not (target / "config.json").is_file():
-        _convert_gguf(second_gguf(), target)
-    return target
+    return _checkpoint(SECOND_MODEL, second_gguf)
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
