@@ -90,3 +90,15 @@ def test_cli_generate_prints_answer_and_stats(embedded, prompt, tmp_path, capsys
 def test_cli_reports_missing_file(capsys):
     assert cli_main(["generate", "--context-file", "/nonexistent/ctx.txt", "--question", "q"]) == 2
     assert "context file not found" in capsys.readouterr().err
+
+
+def test_generate_takes_a_method_name_with_its_size(embedded, prompt):
+    model, tokenizer = embedded
+    by_name = kvc.generate(model, tokenizer, prompt.context, prompt.question, "snapkv:window=16", ratio=0.25, max_new_tokens=3)
+    by_object = kvc.generate(model, tokenizer, prompt.context, prompt.question, kvc.get_method("snapkv", ratio=0.25, window=16),
+                             max_new_tokens=3)
+    assert by_name.token_ids == by_object.token_ids and by_name.stats["method"] == "snapkv@0.25[window=16]"
+    with pytest.raises(ValueError, match="exactly one of"):
+        kvc.generate(model, tokenizer, prompt.context, prompt.question, "snapkv")
+    with pytest.raises(ValueError, match="a method object carries its own size"):
+        kvc.generate(model, tokenizer, prompt.context, prompt.question, kvc.get_method("snapkv", ratio=0.25), budget=8)

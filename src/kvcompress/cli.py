@@ -23,6 +23,10 @@ def _method(spec: str, budget: int | None = None, ratio: float | None = None, de
     methods (GVote) size themselves, and only a size given explicitly reaches them.
     """
     name, options = parse_method_spec(spec)
+    if "budget" in options or "ratio" in options:  # the size given in the spec (snapkv:budget=16)
+        if budget is not None or ratio is not None:
+            raise ValueError(f"{spec!r} gives its own size and a --budget/--ratio flag gives another: give the size once")
+        return get_method(name, **options)
     if REGISTRY[name].needs_budget and budget is None and ratio is None:
         ratio = default_ratio
     return get_method(name, budget=budget, ratio=ratio, **options)

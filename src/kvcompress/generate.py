@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .hf import CompressedCache
-from .methods import Method, get_method
+from .methods import Method, get_method, method_from_spec
 from .models import model_facts
 
 _SLOT = "\x00QUESTION\x00"
@@ -83,6 +83,18 @@ def check_inputs(model, context: str, prompt: Prompt, max_new_tokens: int) -> No
 
 
 @torch.inference_mode()
+def _resolve(method: Method | str | None, budget: int | None, ratio: float | None) -> Method:
+    """The method to use: a spec with its size, or a ready method (which carries its own)."""
+    sized = budget is not None or ratio is not None
+    if isinstance(method, str):
+        return method_from_spec(method, **({"budget": budget} if budget is not None else {}),
+                                **({"ratio": ratio} if ratio is not None else {}))
+    if sized:
+        raise ValueError("budget= and ratio= go with a method name (method=\"snapkv\", ratio=0.25); "
+                         "a method object carries its own size")
+    return method or get_method("full")
+
+
 def generate(
     model,
     tokenizer,
@@ -90,17 +102,20 @@ def generate(
     question: str,
     method: Method | str | None = None,
     *,
+    budget: int | None = None,
+    ratio: float | None = None,
     max_new_tokens: int = 32,
     query_aware: bool = False,
 ) -> GenerateOutput:
-    """Answer ``question`` about ``context`` greedily, with the context's KV cache compressed by ``method``.
+    """Answer ``question`` about ``context`` greedily, with the context's KV cache compressed by ``method``
+    (a ``Method``, or a name or spec such as ``"snapkv:window=16"`` with its ``budget=`` or ``ratio=``).
 
     Returns the answer text, its token ids, the prompt ids (feed them to ``model.generate``
     to compare with an uncompressed run) and stats: kr, cr, kv_bytes, kv_bytes_full, entries_per_head (right
     after compressing, and ``*_end`` after generation), prefill_s, compress_s,
     decode_ms_per_token, token counts and notes.
     """
-    method = get_method(method) if isinstance(method, str) else (method or get_method("full"))
+    method = _resolve(method, budget, ratio)
     prompt = build_prompt(tokenizer, context, question)
     check_inputs(model, context, prompt, max_new_tokens)
     cache = CompressedCache(model, method)

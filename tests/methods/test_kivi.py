@@ -109,7 +109,7 @@ def test_bad_codecs_fail_clearly():
         get_method("kivi", codec="kivi")
     with pytest.raises(ValueError, match="not a codec"):
         get_method("snapkv", ratio=0.5, codec="snapkv:ratio=0.5")
-    with pytest.raises(ValueError, match="must name a coding method"):
+    with pytest.raises(ValueError, match="option codec=4 must be text"):
         get_method("snapkv", ratio=0.5, codec=4)
 
 

@@ -56,14 +56,15 @@ class EvalSettings:
 
 def method_grid(settings: EvalSettings) -> list[Method]:
     """``full`` once, then every other method at every budget or ratio (validated up front); adaptive
-    methods (``needs_budget = False``, e.g. gvote) choose their own budget and run once."""
+    methods (``needs_budget = False``, e.g. gvote) choose their own budget and run once, and so does a
+    method whose spec carries its own size (``snapkv:budget=16``)."""
     grid = [get_method("full")]
     sizes = [("budget", b) for b in settings.budgets or []] + [("ratio", r) for r in settings.ratios or []]
     for spec in settings.methods:
         name, options = parse_method_spec(spec)
         if name == "full" and not options:
             continue
-        if not REGISTRY[name].needs_budget:
+        if not REGISTRY[name].needs_budget or "budget" in options or "ratio" in options:
             grid.append(get_method(name, **options))
             continue
         for kind, value in sizes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import shlex
+import typing
 from dataclasses import fields
 
 from .adakv import AdaKV
@@ -47,7 +48,37 @@ def get_method(name: str, **options) -> Method:
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"{key} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(known))}")
-    return cls(**options)
+    hints = typing.get_type_hints(cls)
+    return cls(**{name: _typed(key, name, value, hints[name]) for name, value in options.items()})
+
+
+def _typed(method: str, name: str, value, hint):
+    """``value`` checked against the option's declared type (a list becomes a tuple, a whole number a float
+    where a float is asked for); a clear error naming the option, the value and the type otherwise."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    elif value is None:
+        raise ValueError(f"{method}: option {name} cannot be None")
+    if hint is bool:
+        ok, expected = isinstance(value, bool), "True or False"
+    elif hint is int:
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif hint is float:
+        ok, expected = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif hint is str:
+        ok, expected = isinstance(value, str), "text (a name in quotes from Python)"
+    elif typing.get_origin(hint) is tuple:
+        ok = isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        expected, value = "a tuple of whole numbers such as (2, 8, 17)", tuple(value) if ok else value
+    else:
+        return value
+    if not ok:
+        raise ValueError(f"{method}: option {name}={value!r} must be {expected}")
+    return value
 
 
 def parse_method_spec(spec: str) -> tuple[str, dict]:

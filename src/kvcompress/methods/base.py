@@ -82,12 +82,15 @@ class Method:
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs_budget: ClassVar[bool] = True
+    sizes_itself: ClassVar[str] = ""  # why a method without a budget takes no size (needs_budget False)
     acts_while_decoding: ClassVar[bool] = False  # decode_step is called after every decoding step
 
     def __post_init__(self) -> None:
         if self.codec is not None:
             self.storage()  # an unusable codec fails here, not at the first prefill
         if not self.needs_budget:
+            if self.budget is not None or self.ratio is not None:
+                raise ValueError(f"{self.name} takes no size: {self.sizes_itself}; do not give budget= or ratio=")
             return
         if (self.budget is None) == (self.ratio is None):
             raise ValueError(f"{self.name}: give exactly one of budget= (entries per KV head) or ratio= (fraction kept).")
@@ -399,6 +402,8 @@ class ScoreMethod(Method):
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.chunk_size < 1 or self.sinks < 0:
             raise ValueError("chunk_size must be ≥ 1 and sinks ≥ 0")
+        if not self.pyramid_ratio >= 1.0:
+            raise ValueError(f"pyramid_ratio (the first layer's budget over the last's) must be ≥ 1, got {self.pyramid_ratio}")
 
     @property
     def acts_while_decoding(self) -> bool:  # type: ignore[override]

@@ -10,8 +10,9 @@ from .base import Method
 
 @dataclass
 class Full(Method):
-    """The uncompressed cache. ``budget``/``ratio`` are accepted and ignored, so sweeps can pass them."""
+    """The uncompressed cache (it takes no size)."""
 
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "—"
     needs_budget: ClassVar[bool] = False
+    sizes_itself: ClassVar[str] = "it keeps every entry"

@@ -25,7 +25,7 @@ class KIVI(Method):
         group_size: entries per key group and channels per value group (32, the paper's).
         residual: newest entries per head kept plain (128, the paper's).
 
-    ``budget``/``ratio`` are accepted and ignored (a sweep may pass them): the size is set by the bits.
+    It takes no ``budget``/``ratio``: the bits set its size.
     """
 
     bits: int = 2
@@ -35,10 +35,12 @@ class KIVI(Method):
     name: ClassVar[str] = "kivi"
     paper: ClassVar[str] = "Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"
     needs_budget: ClassVar[bool] = False
+    sizes_itself: ClassVar[str] = "it keeps every entry, and its bits set the bytes held"
 
     def __post_init__(self) -> None:
         if self.codec is not None:
             raise ValueError("kivi is a codec itself: give its options directly (kivi:bits=4), not codec=")
+        super().__post_init__()  # refuses a size
         if not isinstance(self.residual, int) or isinstance(self.residual, bool) or self.residual < 0:
             raise ValueError(f"kivi's residual must be a whole number of entries ≥ 0, got {self.residual!r}")
         self.storage()  # checks bits and group_size

@@ -364,6 +364,8 @@ class MergingMethod(SnapKV):
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.slack < 0 or (self.recent is not None and self.recent < 0):
             raise ValueError("slack and recent must be ≥ 0")
+        if self.similarity_threshold is not None and not -1.0 <= self.similarity_threshold <= 1.0:
+            raise ValueError(f"similarity_threshold is a key cosine: it must be in [-1, 1], got {self.similarity_threshold}")
 
     def needs(self) -> Needs:
         return Needs(window=self.window)

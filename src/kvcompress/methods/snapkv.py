@@ -37,6 +37,8 @@ class SnapKV(ScoreMethod):
         super().__post_init__()
         if self.window < 1:
             raise ValueError(f"window must be ≥ 1, got {self.window}")
+        if self.kernel < 1:
+            raise ValueError(f"kernel (the pooling width) must be ≥ 1, got {self.kernel}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be 'max' or 'avg', got {self.pooling!r}")
 

@@ -1,0 +1,49 @@
+"""Method options are checked against their declared types and ranges; sizes go where they belong."""
+
+import pytest
+
+from kvcompress.methods import REGISTRY, get_method, method_from_spec
+
+
+@pytest.mark.parametrize("spec,size,message", [
+    ("momentkv:correction=maybe", {"ratio": 0.5}, "option correction='maybe' must be True or False"),
+    ("snapkv:window=abc", {"ratio": 0.5}, "option window='abc' must be a whole number"),
+    ("snapkv:window=8.5", {"ratio": 0.5}, "option window=8.5 must be a whole number"),
+    ("snapkv:kernel=-3", {"ratio": 0.5}, "kernel .* must be ≥ 1"),
+    ("snapkv:pyramid_ratio=0.5", {"ratio": 0.5}, "pyramid_ratio .* must be ≥ 1"),
+    ("cam:similarity_threshold=-3", {"ratio": 0.5}, r"must be in \[-1, 1\]"),
+    ("omnikv:filters=(1,'x')", {"ratio": 0.5}, "must be a tuple of whole numbers"),
+    ("snapkv:pooling=3", {"ratio": 0.5}, "option pooling=3 must be text"),
+    ("snapkv:window=None", {"ratio": 0.5}, "option window cannot be None"),
+    ("full", {"ratio": 0.5}, "full takes no size: it keeps every entry"),
+    ("kivi", {"budget": 64}, "kivi takes no size"),
+    ("gvote", {"ratio": 0.5}, "chooses its own budget"),
+])
+def test_bad_options_name_the_option_the_value_and_what_is_expected(spec, size, message):
+    with pytest.raises(ValueError, match=message):
+        method_from_spec(spec, **size)
+
+
+def test_well_typed_options_are_accepted_and_normalized():
+    assert get_method("snapkv", ratio=1).ratio == 1.0 and isinstance(get_method("snapkv", ratio=1).ratio, float)
+    assert method_from_spec("omnikv:filters=[1,3]", ratio=0.5).filters == (1, 3)
+    assert method_from_spec("keepkv:similarity_threshold=None", ratio=0.5).similarity_threshold is None
+    with pytest.raises(ValueError, match="option ratio='0.5' must be a number"):
+        get_method("snapkv", ratio="0.5")  # from Python: a string is not a ratio
+
+
+def test_every_registered_method_builds_with_its_defaults():
+    for name, cls in REGISTRY.items():
+        method = get_method(name, **({"ratio": 0.5} if cls.needs_budget else {}))
+        assert method.changed_options() == {}
+
+
+def test_a_size_in_the_spec_runs_once_and_clashes_with_a_size_flag():
+    from kvcompress.cli import _method
+    from kvcompress.eval.runner import EvalSettings, method_grid
+
+    grid = method_grid(EvalSettings(methods=["snapkv:budget=16", "snapkv"], ratios=[0.1, 0.25]))
+    assert [m.label for m in grid] == ["full", "snapkv@16", "snapkv@0.1", "snapkv@0.25"]
+    assert _method("snapkv:budget=16", default_ratio=0.25).budget == 16
+    with pytest.raises(ValueError, match="give the size once"):
+        _method("snapkv:budget=16", budget=32)
