@@ -62,6 +62,11 @@ def test_rows_follow_the_schema_and_average_tasks(tiny, task_file):
     assert snap8["kr"] < snap24["kr"] < full["kr"]
     record = prediction_record(predictions[0])
     assert {"id", "task", "method", "budget", "ratio", "answer", "correct", "kr"} <= set(record)
+    samples = {json.loads(line)["id"]: json.loads(line) for line in task_file.read_text().splitlines()}
+    for p in predictions:  # every line can be audited: the question and the references its score is against
+        line = prediction_record(p)
+        assert line["question"] == samples[p.id]["question"] and line["references"] == samples[p.id]["answers"]
+        assert line["prompt_tokens"] > 0 and 0 < line["cr"] <= 1.0 + 1e-9
 
 
 def test_method_grid_runs_full_once_and_validates_up_front():

@@ -96,6 +96,8 @@ class Prediction:
     correct: bool
     kr: float
     stats: dict
+    question: str = ""  # what was asked, and the reference answers the score is against (to audit a score)
+    references: list[str] = field(default_factory=list)
 
 
 def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True,
@@ -152,6 +154,7 @@ def _prediction(sample: Sample, method: Method, out: GenerateOutput) -> Predicti
     return Prediction(
         id=sample.id, task=sample.task, method=method.variant, budget=method.budget, ratio=method.ratio,
         answer=out.text, score=value, correct=value >= 1.0, kr=out.stats["kr"], stats=out.stats,
+        question=sample.question, references=list(sample.answers),
     )
 
 
@@ -188,5 +191,5 @@ def prediction_record(p: Prediction) -> dict:
     """The predictions.jsonl line (DESIGN.md) plus the score and the sample's cost."""
     record = asdict(p)
     stats = record.pop("stats")
-    record["kv_bytes"] = stats["kv_bytes"]
+    record.update(cr=stats["cr"], kv_bytes=stats["kv_bytes"], prompt_tokens=stats["prompt_tokens"])
     return record
