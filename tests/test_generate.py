@@ -102,3 +102,12 @@ def test_generate_takes_a_method_name_with_its_size(embedded, prompt):
         kvc.generate(model, tokenizer, prompt.context, prompt.question, "snapkv")
     with pytest.raises(ValueError, match="a method object carries its own size"):
         kvc.generate(model, tokenizer, prompt.context, prompt.question, kvc.get_method("snapkv", ratio=0.25), budget=8)
+
+
+def test_cli_methods_lists_each_method_with_its_size_and_options(capsys):
+    assert cli_main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in kvc.available_methods():
+        assert f"\n{name} " in "\n" + out
+    assert "window=32 kernel=7 pooling='max'" in out and "bits=2 group_size=32 residual=128" in out
+    assert "no size (it keeps every entry)" in out and "no size (it chooses its own budget" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -294,9 +295,20 @@ def cmd_serve(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    """List the registered methods with their papers."""
+    """List the registered methods: paper, what each does (its docstring's first line), its size and its
+    options with their defaults (``name:option=value`` on the command line)."""
+    import textwrap
+    from dataclasses import MISSING, fields
+
     for name in available_methods():
-        print(f"{name:13} {REGISTRY[name].paper}")
+        cls = REGISTRY[name]
+        summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        size = "size: budget= or ratio=" if cls.needs_budget else f"no size ({cls.sizes_itself or 'it sizes itself'})"
+        options = " ".join(f"{f.name}={f.default!r}" for f in fields(cls)
+                           if f.name not in ("budget", "ratio") and f.default is not MISSING)
+        print(f"{name:13} {cls.paper}")
+        for line in (summary, size, f"options: {options}"):
+            print(textwrap.fill(line, width=100, initial_indent=" " * 14, subsequent_indent=" " * 16))
     return 0
 
 
@@ -414,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"kvcompress: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`kvcompress methods | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

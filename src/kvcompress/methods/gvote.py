@@ -178,6 +178,7 @@ class GVote(Method):
     name: ClassVar[str] = "gvote"
     paper: ClassVar[str] = "GVote: adaptive KV-cache compression by Gaussian-sampled query voting (seeds/003)"
     needs_budget: ClassVar[bool] = False
+    sizes_itself: ClassVar[str] = "it chooses its own budget per request and KV head"
 
     def __post_init__(self) -> None:
         if self.budget is not None or self.ratio is not None:
