@@ -1,5 +1,7 @@
 """kvc.generate on the embedded model: exactness against model.generate, protocol, errors."""
 
+import argparse
+
 import pytest
 import torch
 
@@ -111,3 +113,18 @@ def test_cli_methods_lists_each_method_with_its_size_and_options(capsys):
         assert f"\n{name} " in "\n" + out
     assert "window=32 kernel=7 pooling='max'" in out and "bits=2 group_size=32 residual=128" in out
     assert "no size (it keeps every entry)" in out and "no size (it chooses its own budget" in out
+
+
+def test_every_flag_with_a_value_shows_its_default_in_help():
+    from kvcompress.cli import build_parser
+
+    parser = build_parser()
+    verbs = parser._subparsers._group_actions[0].choices
+    for verb, sub in verbs.items():
+        text = sub.format_help()
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if action.nargs != 0 and action.default is not None and action.default != argparse.SUPPRESS:
+                shown = formatter._get_help_string(action) % {"default": action.default}
+                assert "default" in shown, (verb, action.dest)
+        assert "default: 0" in text or "--seed" not in text  # --seed: no help of its own and a falsy default

@@ -312,6 +312,29 @@ def cmd_methods(args) -> int:
     return 0
 
 
+class _Help(argparse.HelpFormatter):
+    """Every flag's help ends with its default (unless it names one already, or the flag is a switch or
+    has none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not _has_default(action):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def _document_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give flags without a help text one, so that ``_Help`` can show their default."""
+    for action in parser._actions:
+        if action.help is None and _has_default(action):
+            action.help = "default: %(default)s"
+
+
+def _has_default(action: argparse.Action) -> bool:
+    """A default worth showing: a value (0 included), not a switch's False, None or a suppressed one."""
+    return action.nargs != 0 and action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompress", description="KV-cache compression for transformers LLMs.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -321,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", action="store_true", help="no progress output")
 
-    g = sub.add_parser("generate", help="answer one question about one context with one method")
+    g = sub.add_parser("generate", formatter_class=_Help, help="answer one question about one context with one method")
     common(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--context", help="the context text")
@@ -337,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print answer and stats as JSON")
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="compare every method on the built-in long prompt")
+    d = sub.add_parser("demo", formatter_class=_Help, help="compare every method on the built-in long prompt")
     common(d)
     d.add_argument("--methods", default=",".join(available_methods()))
     d.add_argument("--ratio", type=float, default=0.25)
@@ -352,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(default_budgets=budgets, default_ratios=ratios)
         p.add_argument("--out", default=out, help="output directory")
 
-    e = sub.add_parser("eval", help="task accuracy per method × budget")
+    e = sub.add_parser("eval", formatter_class=_Help, help="task accuracy per method × budget")
     common(e)
     sweep(e, "runs/eval")
     e.add_argument("--tasks", default=",".join(BUILTIN_TASKS), help="built-in tasks (comma-separated; empty for none)")
@@ -364,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-share-prefill", action="store_true", help="prefill again for every method × budget")
     e.set_defaults(func=cmd_eval)
 
-    dg = sub.add_parser("diagnose", help="fidelity on plain text: per-layer attention error, KL, perplexity")
+    dg = sub.add_parser("diagnose", formatter_class=_Help, help="fidelity on plain text: per-layer attention error, KL, perplexity")
     common(dg)
     sweep(dg, "runs/diagnose", budgets="64,128,256")
     dg.add_argument("--text", help="a text file (default: the built-in prose)")
@@ -372,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--continuation-tokens", type=int, default=64)
     dg.set_defaults(func=cmd_diagnose)
 
-    b = sub.add_parser("bench", help="speed and memory against full, as same-run ratios")
+    b = sub.add_parser("bench", formatter_class=_Help, help="speed and memory against full, as same-run ratios")
     common(b)
     sweep(b, "runs/bench", budgets="128")
     b.add_argument("--context-tokens", default="2048", help="comma-separated context lengths")
@@ -387,14 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-seqs", type=int, default=64, help="--engine: requests decoded together at most (default: 64)")
     b.set_defaults(func=cmd_bench)
 
-    r = sub.add_parser("report", help="merge comparable eval runs into one table and plot")
+    r = sub.add_parser("report", formatter_class=_Help, help="merge comparable eval runs into one table and plot")
     r.add_argument("runs", nargs="+", help="eval output directories (or results.json files); later ones win")
     r.add_argument("--out", default="runs/report", help="output directory")
     r.add_argument("--model", default=None, help="model name for the title")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=cmd_report)
 
-    sv = sub.add_parser("serve", help="an OpenAI-compatible server over the engine")
+    sv = sub.add_parser("serve", formatter_class=_Help, help="an OpenAI-compatible server over the engine")
     common(sv)
     sv.add_argument("--method", default="full", help="default method of requests without kv_compression (options after colons)")
     size = sv.add_mutually_exclusive_group()
@@ -412,8 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--device", default="cpu", help="default: cpu")
     sv.set_defaults(func=cmd_serve)
 
-    m = sub.add_parser("methods", help="list the methods")
+    m = sub.add_parser("methods", formatter_class=_Help, help="list the methods")
     m.set_defaults(func=cmd_methods)
+    for verb in sub.choices.values():
+        _document_defaults(verb)
     return parser
 
 
