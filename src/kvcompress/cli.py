@@ -122,7 +122,7 @@ def cmd_eval(args) -> int:
     budgets, ratios = _sizes(args)
     settings = EvalSettings(
         methods=args.methods.split(","), budgets=budgets, ratios=ratios,
-        tasks=args.tasks.split(",") if args.tasks else [], task_files=args.task_file or [],
+        tasks=_tasks(args), task_files=args.task_file or [], limit=args.limit,
         samples=args.samples, context_tokens=args.context_tokens, seed=args.seed,
         query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,
     )
@@ -138,6 +138,14 @@ def cmd_eval(args) -> int:
     _eval_report(args, out, rows, vars(settings), wall_s=wall)
     print(f"wall time {wall:.0f} s; predictions in {out / 'predictions.jsonl'}")
     return 0
+
+
+def _tasks(args) -> list[str]:
+    """The built-in tasks to run: ``--tasks`` as given; without it every built-in task, unless task files
+    were given (then only those files)."""
+    if args.tasks is None:
+        return [] if args.task_file else list(BUILTIN_TASKS)
+    return [t for t in args.tasks.split(",") if t]
 
 
 def cmd_report(args) -> int:
@@ -378,9 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", formatter_class=_Help, help="task accuracy per method × budget")
     common(e)
     sweep(e, "runs/eval")
-    e.add_argument("--tasks", default=",".join(BUILTIN_TASKS), help="built-in tasks (comma-separated; empty for none)")
-    e.add_argument("--task-file", action="append", help="a JSONL task file (repeatable)")
-    e.add_argument("--samples", type=int, default=10, help="samples per task")
+    e.add_argument("--tasks", default=None, help="built-in tasks, comma-separated (default: all of "
+                   f"{','.join(BUILTIN_TASKS)}; none when --task-file is given)")
+    e.add_argument("--task-file", action="append", help="a JSONL task file (repeatable): all its samples run")
+    e.add_argument("--samples", type=int, default=10, help="samples per built-in task")
+    e.add_argument("--limit", type=int, default=None, help="at most this many samples per task file (default: all)")
     e.add_argument("--context-tokens", type=int, default=1536)
     e.add_argument("--max-new-tokens", type=int, default=None, help="default: per task")
     e.add_argument("--query-aware", action="store_true", help="compress the question with the context")

@@ -179,3 +179,19 @@ def test_command_line_methods_take_the_default_size_only_when_they_need_one():
     assert _method("full", default_ratio=0.25).ratio is None
     with pytest.raises(ValueError, match="chooses its own budget"):
         _method("gvote", ratio=0.5)  # a size given explicitly still reaches it, and is refused
+
+
+def test_a_task_file_alone_runs_only_its_tasks_and_limit_cuts_files_not_samples(task_file):
+    from kvcompress import cli
+    from kvcompress.eval.runner import load_samples
+
+    args = cli.build_parser().parse_args(["eval", "--task-file", str(task_file), "--samples", "1"])
+    assert cli._tasks(args) == []  # only the file: no built-in task sneaks in
+    assert cli._tasks(cli.build_parser().parse_args(["eval"])) == list(cli.BUILTIN_TASKS)
+    assert cli._tasks(cli.build_parser().parse_args(["eval", "--tasks", "vt", "--task-file", str(task_file)])) == ["vt"]
+    settings = EvalSettings(methods=["snapkv"], tasks=[], task_files=[str(task_file)], samples=1)
+    assert len(load_samples(settings, tokenizer=None)) == 3  # --samples is per built-in task: the file runs whole
+    limited = EvalSettings(methods=["snapkv"], tasks=[], task_files=[str(task_file)], samples=1, limit=2)
+    assert [s.id for s in load_samples(limited, tokenizer=None)] == ["s0", "s1"]
+    with pytest.raises(ValueError, match="limit must be ≥ 1"):
+        EvalSettings(methods=["snapkv"], tasks=[], task_files=[str(task_file)], limit=0)

@@ -117,7 +117,7 @@ def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
     ax.grid(alpha=0.3)
 
 
-COMPARABLE = ("context_tokens", "samples", "seed", "query_aware", "max_new_tokens", "tasks", "task_files")
+COMPARABLE = ("context_tokens", "samples", "limit", "seed", "query_aware", "max_new_tokens", "tasks", "task_files")
 
 
 def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:

@@ -35,6 +35,7 @@ class EvalSettings:
     ratios: list[float] | None = None
     tasks: list[str] = field(default_factory=lambda: list(BUILTIN_TASKS))
     task_files: list[str] = field(default_factory=list)
+    limit: int | None = None  # samples per task file (None: all); ``samples`` is per built-in task
     samples: int = 10
     context_tokens: int = 1536
     seed: int = 0
@@ -49,6 +50,8 @@ class EvalSettings:
             self.ratios = [0.1, 0.25, 0.5]
         if self.samples < 1:
             raise ValueError(f"samples must be ≥ 1, got {self.samples}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be ≥ 1 (samples per task file), got {self.limit}")
         unknown = sorted(set(self.tasks) - set(BUILTIN_TASKS))
         if unknown:
             raise ValueError(f"unknown task {', '.join(unknown)}; built-in tasks: {', '.join(BUILTIN_TASKS)} (or --task-file)")
@@ -76,7 +79,7 @@ def load_samples(settings: EvalSettings, tokenizer) -> list[Sample]:
     """Built-in tasks generated for this tokenizer, then the samples of every task file."""
     samples = [s for task in settings.tasks for s in make_task(task, tokenizer, settings.samples, settings.context_tokens, settings.seed)]
     for path in settings.task_files:
-        samples.extend(load_task_file(path)[: settings.samples])
+        samples.extend(load_task_file(path)[: settings.limit])
     if not samples:
         raise ValueError("no samples: choose --tasks or give --task-file")
     return samples
