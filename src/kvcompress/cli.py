@@ -135,7 +135,8 @@ def cmd_eval(args) -> int:
             handle.flush()
 
         rows, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet, on_prediction=record)
-    _eval_report(args, out, rows, vars(settings), wall_s=wall)
+    lengths = [p.stats["prompt_tokens"] for p in predictions] or [0]
+    _eval_report(args, out, rows, vars(settings), wall_s=wall, prompt_tokens=[min(lengths), max(lengths)])
     print(f"wall time {wall:.0f} s; predictions in {out / 'predictions.jsonl'}")
     return 0
 
@@ -164,7 +165,11 @@ def _eval_report(args, out: Path, rows: list[dict], settings: dict, **extra) -> 
     from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
 
     protocol = "query-aware" if settings.get("query_aware") else "query-agnostic"
-    title = f"eval: {_model_name(args)}, {protocol}, {settings.get('context_tokens')} context tokens"
+    size = f"{settings.get('context_tokens')} context tokens"
+    if settings.get("task_files") and "prompt_tokens" in extra:  # a file's contexts have their own lengths
+        low, high = extra["prompt_tokens"]
+        size = f"prompts of {low}–{high} tokens" if low != high else f"prompts of {low} tokens"
+    title = f"eval: {_model_name(args)}, {protocol}, {size}"
     _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
             settings=settings, **extra)
     plot_accuracy_vs_kr(rows, out / "accuracy_vs_cr.png", title, axis="cr")

@@ -195,3 +195,21 @@ def test_a_task_file_alone_runs_only_its_tasks_and_limit_cuts_files_not_samples(
     assert [s.id for s in load_samples(limited, tokenizer=None)] == ["s0", "s1"]
     with pytest.raises(ValueError, match="limit must be ≥ 1"):
         EvalSettings(methods=["snapkv"], tasks=[], task_files=[str(task_file)], limit=0)
+
+
+def test_cli_eval_on_a_task_file_states_the_real_prompt_lengths(tiny_checkpoint, tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    with path.open("w") as handle:
+        for i, n in enumerate((20, 35)):
+            row = {"id": f"s{i}", "context": " ".join(["a"] * n), "question": "b", "answers": ["c"], "task": "toy",
+                   "metric": "contains"}
+            handle.write(json.dumps(row) + "\n")
+    out = tmp_path / "out"
+    code = cli_main(["eval", "--model", str(tiny_checkpoint()), "--methods", "snapkv", "--ratios", "0.5", "--task-file",
+                     str(path), "--max-new-tokens", "2", "--out", str(out), "--quiet"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    low, high = results["prompt_tokens"]
+    assert low < high and f"prompts of {low}–{high} tokens" in (out / "results.md").read_text()
+    lines = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert {line["id"] for line in lines} == {"s0", "s1"} and {line["task"] for line in lines} == {"toy"}  # the file only
