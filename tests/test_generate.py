@@ -128,3 +128,26 @@ def test_every_flag_with_a_value_shows_its_default_in_help():
                 shown = formatter._get_help_string(action) % {"default": action.default}
                 assert "default" in shown, (verb, action.dest)
         assert "default: 0" in text or "--seed" not in text  # --seed: no help of its own and a falsy default
+
+
+def test_dtype_and_device_flags_load_and_run_in_that_dtype(tiny_checkpoint, tmp_path, capsys):
+    from kvcompress.cli import _load, build_parser
+
+    path = str(tiny_checkpoint())
+    assert next(_load(build_parser().parse_args(["generate", "--model", path, "--question", "q", "--context", "c"]))[0]
+                .parameters()).dtype == torch.float32  # auto on the CPU: float32
+    context = tmp_path / "context.txt"
+    context.write_text(" ".join(f"w{i % 50}" for i in range(120)))
+    full_bytes = {}
+    for dtype in ("float32", "bfloat16"):
+        code = cli_main(["generate", "--model", path, "--context-file", str(context), "--question", "w1", "--method", "snapkv",
+                         "--ratio", "0.5", "--dtype", dtype, "--json", "--max-new-tokens", "3"])
+        assert code == 0
+        stats = __import__("json").loads(capsys.readouterr().out)["stats"]
+        full_bytes[dtype] = stats["kv_bytes_full"]
+    assert full_bytes["bfloat16"] * 2 == full_bytes["float32"]  # the cache is held in the model's dtype
+    for device, message in (("cuda", "sees no CUDA GPU"), ("gpu0", "is not a device")):
+        if device == "cuda" and torch.cuda.is_available():
+            continue
+        assert cli_main(["generate", "--model", path, "--context-file", str(context), "--question", "q", "--device", device]) == 2
+        assert message in capsys.readouterr().err

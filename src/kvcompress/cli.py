@@ -33,6 +33,29 @@ def _method(spec: str, budget: int | None = None, ratio: float | None = None, de
     return get_method(name, budget=budget, ratio=ratio, **options)
 
 
+def _device(args) -> str:
+    """``--device``, checked against what this torch build can use."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch build sees no CUDA GPU; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: only cpu and cuda are supported")
+    return args.device
+
+
+def _load(args):
+    """The model and tokenizer of ``--model`` in ``--dtype`` on ``--device`` (auto: the checkpoint's dtype on a
+    GPU, float32 on the CPU, where 16-bit matmuls are slow)."""
+    device = _device(args)
+    dtype = args.dtype
+    if dtype == "auto" and torch.device(device).type == "cpu":
+        dtype = "float32"
+    return load_model(args.model, dtype=dtype, device=device)
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging
 
@@ -49,7 +72,7 @@ def cmd_generate(args) -> int:
         context = path.read_text()
     else:
         context = args.context
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = _load(args)
     method = _method(args.method, args.budget, args.ratio, default_ratio=0.25)
     out = generate(model, tokenizer, context, args.question, method,
                    max_new_tokens=args.max_new_tokens, query_aware=args.query_aware)
@@ -66,7 +89,7 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
     """Every method on the built-in long prompt, in both protocols: answer, kept ratio, timings."""
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = _load(args)
     prompt = needle_prompt(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
     methods = ["full"] + [m for m in args.methods.split(",") if m != "full"]
     runs = [(m, qa) for qa in (False, True) for m in methods]
@@ -126,7 +149,7 @@ def cmd_eval(args) -> int:
         samples=args.samples, context_tokens=args.context_tokens, seed=args.seed,
         query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,
     )
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = _load(args)
     out = _out_dir(args)
     with (out / "predictions.jsonl").open("w") as handle:  # written as the run goes
 
@@ -204,7 +227,7 @@ def cmd_diagnose(args) -> int:
             raise FileNotFoundError(f"text file not found: {path}")
         text = path.read_text()
     methods = [m for m in _grid(args) if m.name != "full"]
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = _load(args)
     rows = diagnose(model, tokenizer, methods, text=text, context_tokens=args.context_tokens,
                     continuation_tokens=args.continuation_tokens, progress=not args.quiet)
     budgets, ratios = _sizes(args)
@@ -224,7 +247,7 @@ def cmd_bench(args) -> int:
     if args.engine:
         return _bench_engine(args)
     methods = _grid(args)
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = _load(args)
     contexts = [int(x) for x in args.context_tokens.split(",")]
     limit = model.config.max_position_embeddings
     for tokens in contexts:  # every length checked before anything runs
@@ -260,7 +283,7 @@ def _bench_engine(args) -> int:
     from .eval.report import write_json
 
     methods = [None if m.name == "full" else m for m in _grid(args)]
-    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=args.device, seed=args.seed)
+    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed)
     out = _out_dir(args)
     rows = []
     for tokens in [int(x) for x in args.context_tokens.split(",")]:
@@ -295,7 +318,7 @@ def cmd_serve(args) -> int:
     from . import LLM
 
     method = _method(args.method, args.budget, args.ratio)
-    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=args.device, seed=args.seed,
+    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed,
               max_model_len=args.max_model_len)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens or llm.max_model_len - 1,
                     max_tokens=args.max_tokens_limit or llm.max_model_len - 1)
@@ -356,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help="qwen2.5-coder-0.5b (the built-in second model, `make qwen`), a checkpoint dir, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", action="store_true", help="no progress output")
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and KV cache dtype; auto: the checkpoint's on a GPU, float32 on the CPU")
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
     g = sub.add_parser("generate", formatter_class=_Help, help="answer one question about one context with one method")
     common(g)
@@ -417,7 +443,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--decode-tokens", type=int, default=32)
     b.add_argument("--repeats", type=int, default=1)
-    b.add_argument("--device", default="cpu")
     b.add_argument("--engine", action="store_true", help="serve --requests prompts at once on one KV pool (kvc.LLM)")
     b.add_argument("--requests", type=int, default=16, help="--engine: prompts served together (default: 16)")
     b.add_argument("--max-tokens", type=int, default=48, help="--engine: new tokens per request (default: 48)")
@@ -447,7 +472,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model or the embedded one)")
     sv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="default: 8000")
-    sv.add_argument("--device", default="cpu", help="default: cpu")
     sv.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("methods", formatter_class=_Help, help="list the methods")
