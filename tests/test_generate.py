@@ -151,3 +151,17 @@ def test_dtype_and_device_flags_load_and_run_in_that_dtype(tiny_checkpoint, tmp_
             continue
         assert cli_main(["generate", "--model", path, "--context-file", str(context), "--question", "q", "--device", device]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--repeats", "0"], "argument --repeats: 0 must be ≥ 1"),
+    (["bench", "--batch-size", "0"], "argument --batch-size: 0 must be ≥ 1"),
+    (["eval", "--budgets", "64,abc"], "argument --budgets: 'abc' in '64,abc': give comma-separated whole numbers"),
+    (["eval", "--ratios", "0.1,x"], "argument --ratios: 'x' in '0.1,x': give comma-separated numbers"),
+    (["bench", "--context-tokens", "3k"], "argument --context-tokens: '3k'"),
+    (["eval", "--samples", "many"], "argument --samples: 'many' is not a whole number"),
+])
+def test_bad_flag_values_are_usage_errors_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err

@@ -348,6 +348,32 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number ≥ 1 (a usage error naming the flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
+    return value
+
+
+def _numbers(kind):
+    """An argparse type: comma-separated numbers of ``kind`` (the text is kept; it is checked here)."""
+
+    def check(text: str) -> str:
+        for part in text.split(","):
+            try:
+                kind(part)
+            except ValueError:
+                name = "whole numbers" if kind is int else "numbers"
+                raise argparse.ArgumentTypeError(f"{part!r} in {text!r}: give comma-separated {name}") from None
+        return text
+
+    return check
+
+
 class _Help(argparse.HelpFormatter):
     """Every flag's help ends with its default (unless it names one already, or the flag is a switch or
     has none)."""
@@ -394,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     size = g.add_mutually_exclusive_group()
     size.add_argument("--budget", type=int, help="entries per KV head")
     size.add_argument("--ratio", type=float, help="fraction of context entries kept")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=_count, default=32)
     g.add_argument("--query-aware", action="store_true", help="compress the question with the context")
     g.add_argument("--json", action="store_true", help="print answer and stats as JSON")
     g.set_defaults(func=cmd_generate)
@@ -403,14 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
     common(d)
     d.add_argument("--methods", default=",".join(available_methods()))
     d.add_argument("--ratio", type=float, default=0.25)
-    d.add_argument("--context-tokens", type=int, default=1200)
+    d.add_argument("--context-tokens", type=_count, default=1200)
     d.set_defaults(func=cmd_demo)
 
     def sweep(p, out, ratios=None, budgets=None):
         p.add_argument("--methods", default=",".join(available_methods()), help="comma-separated methods; options after colons, e.g. snapkv,keepkv:key_rule=votes")
         size = p.add_mutually_exclusive_group()
-        size.add_argument("--budgets", help=f"comma-separated entries per KV head, e.g. 64,128,256 (default: {budgets or 'none'})")
-        size.add_argument("--ratios", help=f"comma-separated fractions of the context kept (read per step for quest, omnikv), e.g. 0.1,0.25,0.5 (default: {ratios or 'none'})")
+        size.add_argument("--budgets", type=_numbers(int), help=f"comma-separated entries per KV head, e.g. 64,128,256 (default: {budgets or 'none'})")
+        size.add_argument("--ratios", type=_numbers(float), help=f"comma-separated fractions of the context kept (read per step for quest, omnikv), e.g. 0.1,0.25,0.5 (default: {ratios or 'none'})")
         p.set_defaults(default_budgets=budgets, default_ratios=ratios)
         p.add_argument("--out", default=out, help="output directory")
 
@@ -420,10 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", default=None, help="built-in tasks, comma-separated (default: all of "
                    f"{','.join(BUILTIN_TASKS)}; none when --task-file is given)")
     e.add_argument("--task-file", action="append", help="a JSONL task file (repeatable): all its samples run")
-    e.add_argument("--samples", type=int, default=10, help="samples per built-in task")
-    e.add_argument("--limit", type=int, default=None, help="at most this many samples per task file (default: all)")
-    e.add_argument("--context-tokens", type=int, default=1536)
-    e.add_argument("--max-new-tokens", type=int, default=None, help="default: per task")
+    e.add_argument("--samples", type=_count, default=10, help="samples per built-in task")
+    e.add_argument("--limit", type=_count, default=None, help="at most this many samples per task file (default: all)")
+    e.add_argument("--context-tokens", type=_count, default=1536)
+    e.add_argument("--max-new-tokens", type=_count, default=None, help="default: per task")
     e.add_argument("--query-aware", action="store_true", help="compress the question with the context")
     e.add_argument("--no-share-prefill", action="store_true", help="prefill again for every method × budget")
     e.set_defaults(func=cmd_eval)
@@ -432,22 +458,22 @@ def build_parser() -> argparse.ArgumentParser:
     common(dg)
     sweep(dg, "runs/diagnose", budgets="64,128,256")
     dg.add_argument("--text", help="a text file (default: the built-in prose)")
-    dg.add_argument("--context-tokens", type=int, default=1536)
+    dg.add_argument("--context-tokens", type=_count, default=1536)
     dg.add_argument("--continuation-tokens", type=int, default=64)
     dg.set_defaults(func=cmd_diagnose)
 
     b = sub.add_parser("bench", formatter_class=_Help, help="speed and memory against full, as same-run ratios")
     common(b)
     sweep(b, "runs/bench", budgets="128")
-    b.add_argument("--context-tokens", default="2048", help="comma-separated context lengths")
-    b.add_argument("--batch-size", type=int, default=1)
-    b.add_argument("--decode-tokens", type=int, default=32)
-    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--context-tokens", default="2048", type=_numbers(int), help="comma-separated context lengths")
+    b.add_argument("--batch-size", type=_count, default=1)
+    b.add_argument("--decode-tokens", type=_count, default=32)
+    b.add_argument("--repeats", type=_count, default=1)
     b.add_argument("--engine", action="store_true", help="serve --requests prompts at once on one KV pool (kvc.LLM)")
-    b.add_argument("--requests", type=int, default=16, help="--engine: prompts served together (default: 16)")
-    b.add_argument("--max-tokens", type=int, default=48, help="--engine: new tokens per request (default: 48)")
+    b.add_argument("--requests", type=_count, default=16, help="--engine: prompts served together (default: 16)")
+    b.add_argument("--max-tokens", type=_count, default=48, help="--engine: new tokens per request (default: 48)")
     b.add_argument("--kv-memory", default="200MiB", help="--engine: size of the KV pool (default: 200MiB)")
-    b.add_argument("--max-num-seqs", type=int, default=64, help="--engine: requests decoded together at most (default: 64)")
+    b.add_argument("--max-num-seqs", type=_count, default=64, help="--engine: requests decoded together at most (default: 64)")
     b.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("report", formatter_class=_Help, help="merge comparable eval runs into one table and plot")
@@ -464,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--budget", type=int, help="entries per KV head of the default method")
     size.add_argument("--ratio", type=float, help="fraction of context entries the default method keeps")
     sv.add_argument("--kv-memory", default="1GiB", help="size of the KV pool (default: 1GiB)")
-    sv.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most (default: 64)")
+    sv.add_argument("--max-num-seqs", type=_count, default=64, help="requests decoded together at most (default: 64)")
     sv.add_argument("--max-model-len", type=int, default=None, help="prompt + answer tokens at most (default: the model's)")
     sv.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the model's)")
     sv.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: the model's)")
