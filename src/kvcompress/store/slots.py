@@ -71,7 +71,8 @@ class SlotPool:
         head_dim: d of one key (and value).
         dtype, device: of the stored entries.
         capacity: usable slots of a fixed pool; None = growable (starts at ``initial``).
-        codec: how an entry is stored (default: plain keys and values).
+        codec: how an entry is stored: plain keys and values (the default) for a pool; a tier (``tier``) is
+            a pool of one codec's blocks.
     """
 
     @_plain_tensors
@@ -236,19 +237,19 @@ class SlotPool:
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [..., d] of entry ids ``slots`` [...] (coded entries decoded: only these)."""
         index = slots.reshape(-1).long()
+        shape = (*slots.shape, self.head_dim)
         tiers = (index >> TIER_SHIFT) if self.tiers else None
         if tiers is None or not bool(tiers.any()):
-            shape = (*slots.shape, self.head_dim)
-            return self.arrays["keys"].index_select(0, index).view(shape), self.arrays["values"].index_select(0, index).view(shape)
+            keys, values = self.codec.decode(self.arrays, index)
+            return keys.view(shape), values.view(shape)
         plain = torch.where(tiers == 0, index, PAD_SLOT)  # coded entries read padding here, then are overwritten
-        keys, values = self.arrays["keys"].index_select(0, plain), self.arrays["values"].index_select(0, plain)
+        keys, values = self.codec.decode(self.arrays, plain)
         for t, store in enumerate(self.tiers, start=1):
             where = (tiers == t).nonzero().squeeze(1)
             if where.numel():
                 k, v = store.codec.decode(store.arrays, index.index_select(0, where) & (2**TIER_SHIFT - 1))
                 keys.index_copy_(0, where, k.to(self.dtype))
                 values.index_copy_(0, where, v.to(self.dtype))
-        shape = (*slots.shape, self.head_dim)
         return keys.view(shape), values.view(shape)
 
 
