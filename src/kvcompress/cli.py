@@ -74,6 +74,7 @@ def cmd_generate(args) -> int:
         context = args.context
     model, tokenizer = _load(args)
     method = _method(args.method, args.budget, args.ratio, default_ratio=0.25)
+    generate(model, tokenizer, context[:200] or "warm-up", args.question, get_method("full"), max_new_tokens=2)  # warm-up: untimed
     out = generate(model, tokenizer, context, args.question, method,
                    max_new_tokens=args.max_new_tokens, query_aware=args.query_aware)
     if args.json:
