@@ -165,3 +165,14 @@ def test_bad_flag_values_are_usage_errors_naming_the_flag(argv, message, capsys)
     with pytest.raises(SystemExit) as stop:
         cli_main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", [["eval", "--tasks", "vt", "--samples", "1"], ["diagnose"], ["bench"]])
+def test_out_pointing_at_a_file_is_refused_before_any_work(verb, tmp_path, capsys, monkeypatch):
+    import kvcompress.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded before --out was checked"))
+    target = tmp_path / "results.txt"
+    target.write_text("keep me")
+    assert cli_main([*verb, "--methods", "snapkv", "--ratios", "0.5", "--out", str(target)]) == 2
+    assert "is a file: give a directory" in capsys.readouterr().err and target.read_text() == "keep me"

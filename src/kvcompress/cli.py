@@ -133,8 +133,14 @@ def _grid(args) -> list:
 
 
 def _out_dir(args) -> Path:
+    """``--out``, made if missing: checked before any work, so that a bad one costs nothing."""
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a directory for the results")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot make the directory ({error.strerror})") from None
     return out
 
 
@@ -150,8 +156,8 @@ def cmd_eval(args) -> int:
         samples=args.samples, context_tokens=args.context_tokens, seed=args.seed,
         query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,
     )
-    model, tokenizer = _load(args)
     out = _out_dir(args)
+    model, tokenizer = _load(args)
     with (out / "predictions.jsonl").open("w") as handle:  # written as the run goes
 
         def record(prediction) -> None:
@@ -177,9 +183,10 @@ def cmd_report(args) -> int:
     """Merge comparable eval runs into one table and plot → results.json, results.md, accuracy_vs_kr*.png."""
     from .eval.report import merge_results
 
+    out = _out_dir(args)
     rows, settings = merge_results([Path(p) for p in args.runs])
     args.seed = settings.get("seed", args.seed)
-    _eval_report(args, _out_dir(args), rows, {**settings, "merged_from": args.runs})
+    _eval_report(args, out, rows, {**settings, "merged_from": args.runs})
     return 0
 
 
@@ -228,6 +235,7 @@ def cmd_diagnose(args) -> int:
             raise FileNotFoundError(f"text file not found: {path}")
         text = path.read_text()
     methods = [m for m in _grid(args) if m.name != "full"]
+    out = _out_dir(args)
     model, tokenizer = _load(args)
     rows = diagnose(model, tokenizer, methods, text=text, context_tokens=args.context_tokens,
                     continuation_tokens=args.continuation_tokens, progress=not args.quiet)
@@ -235,7 +243,7 @@ def cmd_diagnose(args) -> int:
     settings = {"methods": args.methods, "budgets": budgets, "ratios": ratios, "text": args.text or "built-in",
                 "context_tokens": args.context_tokens, "continuation_tokens": args.continuation_tokens}
     title = f"diagnose: {_model_name(args)}, {args.context_tokens} context + {args.continuation_tokens} continuation tokens"
-    _report(args, _out_dir(args), "diagnose", rows, diagnose_markdown(rows, title),
+    _report(args, out, "diagnose", rows, diagnose_markdown(rows, title),
             (plot_layer_errors, "error_per_layer.png", title), settings=settings)
     return 0
 
@@ -248,13 +256,13 @@ def cmd_bench(args) -> int:
     if args.engine:
         return _bench_engine(args)
     methods = _grid(args)
+    out = _out_dir(args)
     model, tokenizer = _load(args)
     contexts = [int(x) for x in args.context_tokens.split(",")]
     limit = model.config.max_position_embeddings
     for tokens in contexts:  # every length checked before anything runs
         if tokens + args.decode_tokens > limit:
             raise ValueError(f"--context-tokens {tokens} + --decode-tokens {args.decode_tokens} exceeds the model's {limit} positions")
-    out = _out_dir(args)
     rows = []
     for tokens in contexts:
         rows += bench(model, tokenizer, methods, context_tokens=tokens, batch_size=args.batch_size,
@@ -284,8 +292,8 @@ def _bench_engine(args) -> int:
     from .eval.report import write_json
 
     methods = [None if m.name == "full" else m for m in _grid(args)]
-    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed)
     out = _out_dir(args)
+    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed)
     rows = []
     for tokens in [int(x) for x in args.context_tokens.split(",")]:
         rows += bench_engine(llm, methods, requests=args.requests, context_tokens=tokens, max_tokens=args.max_tokens,
