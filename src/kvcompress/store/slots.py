@@ -35,6 +35,7 @@ from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KVView
 PAD_SLOT = 0
 TIER_SHIFT = 27  # entry ids are int32: tiers 1..15 of coded blocks above 2^27 plain slots
 MAX_TIERS = 15
+ENTRY_MASK = 2**TIER_SHIFT - 1  # an entry id's place inside its tier
 INDEX_BYTES = 4  # a slot index (int32) per entry
 POSITION_BYTES = 4  # an original position (int32) per entry
 WEIGHT_BYTES = 4  # a log-weight or a channel value (float32) per entry
@@ -79,7 +80,7 @@ class SlotPool:
     def __init__(self, head_dim: int, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  capacity: int | None = None, codec: Codec | None = None, initial: int = 4096):
         if capacity is not None and not 1 <= capacity < 2**TIER_SHIFT:
-            raise ValueError(f"a fixed pool needs between 1 and {2**TIER_SHIFT - 1} slots, got capacity={capacity}")
+            raise ValueError(f"a fixed pool needs between 1 and {ENTRY_MASK} slots, got capacity={capacity}")
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
@@ -123,15 +124,8 @@ class SlotPool:
     def held_bytes(self, ids: torch.Tensor) -> int:
         """Bytes of storage behind entry ids [...]: a plain slot each, and every coded block they touch
         (whole: a block partly evicted still holds all its memory)."""
-        flat = ids.reshape(-1).long()
-        if not self.tiers:
-            return flat.numel() * self.bytes_per_slot
-        tiers = flat >> TIER_SHIFT
-        held = int((tiers == 0).sum()) * self.bytes_per_slot
-        for t, store in enumerate(self.tiers, start=1):
-            blocks = (flat[tiers == t] & (2**TIER_SHIFT - 1)) // store.codec.block_size
-            held += torch.unique(blocks).numel() * store.bytes_per_slot
-        return held
+        return sum((index.numel() if store is self else torch.unique(index).numel()) * store.bytes_per_slot
+                   for store, index in self._by_tier(ids))
 
     # ----- coded tiers ---------------------------------------------------------------------
     def tier(self, codec: Codec) -> int:
@@ -196,7 +190,7 @@ class SlotPool:
         for t, store in enumerate(self.tiers, start=1):
             local = index[tiers == t]
             if local.numel():
-                yield store, (local & (2**TIER_SHIFT - 1)) // store.codec.block_size
+                yield store, (local & ENTRY_MASK) // store.codec.block_size
 
     def _let_go(self, index: torch.Tensor) -> None:
         if index.numel() == 0:
@@ -247,7 +241,7 @@ class SlotPool:
         for t, store in enumerate(self.tiers, start=1):
             where = (tiers == t).nonzero().squeeze(1)
             if where.numel():
-                k, v = store.codec.decode(store.arrays, index.index_select(0, where) & (2**TIER_SHIFT - 1))
+                k, v = store.codec.decode(store.arrays, index.index_select(0, where) & ENTRY_MASK)
                 keys.index_copy_(0, where, k.to(self.dtype))
                 values.index_copy_(0, where, v.to(self.dtype))
         return keys.view(shape), values.view(shape)
