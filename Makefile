@@ -29,7 +29,7 @@ qwen: setup
 # (query-agnostic: the context is compressed before the question is seen). ~5 min on 2 cores.
 run: setup
 	$(BIN)/kvcompress eval --methods streamingllm,h2o,snapkv,pyramidkv,adakv,momentkv,keepkv,gvote \
-	    --ratios 0.5 --samples 3 --context-tokens 1024 --out runs/quickstart
+	    --ratios 0.5 --samples 3 --context-tokens 1024 --out runs/quickstart --overwrite
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

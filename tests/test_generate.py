@@ -176,3 +176,15 @@ def test_out_pointing_at_a_file_is_refused_before_any_work(verb, tmp_path, capsy
     target.write_text("keep me")
     assert cli_main([*verb, "--methods", "snapkv", "--ratios", "0.5", "--out", str(target)]) == 2
     assert "is a file: give a directory" in capsys.readouterr().err and target.read_text() == "keep me"
+
+
+def test_runtime_failures_exit_1_in_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["generate", "--model", "no-such-org/no-such-model", "--context", "c", "--question", "q"]
+    assert cli_main(argv) == 1  # bad input is 2; a model that cannot be fetched is a failure while running
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "could not load 'no-such-org/no-such-model'" in error
+    with pytest.raises(OSError, match="could not load"):
+        cli_main([*argv, "--debug"])
+    with pytest.raises(ValueError, match="not a device"):
+        cli_main(["generate", "--context", "c", "--question", "q", "--device", "gpu0", "--debug"])

@@ -133,21 +133,25 @@ def _grid(args) -> list:
 
 
 def _out_dir(args) -> Path:
-    """``--out``, made if missing: checked before any work, so that a bad one costs nothing."""
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a directory for the results")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ValueError(f"--out {out}: cannot make the directory ({error.strerror})") from None
-    return out
+    """``--out``, checked before any work (a file there, or results already there without --overwrite, is a
+    one-line error and nothing is touched); made by ``outdir.start`` when the work begins."""
+    from .eval import outdir
+
+    resume = getattr(args, "resume", False)
+    if resume and args.overwrite:
+        raise ValueError("give --resume (finish the run in --out) or --overwrite (replace it), not both")
+    return outdir.check_out(Path(args.out), overwrite=args.overwrite, resume=resume)
 
 
 def cmd_eval(args) -> int:
     """Task accuracy per method × budget → results.json, results.md, predictions.jsonl, accuracy_vs_kr.png,
-    accuracy_vs_cr.png (and accuracy_vs_kr_by_task.png with several tasks)."""
-    from .eval.runner import EvalSettings, prediction_record, run_eval
+    accuracy_vs_cr.png (and accuracy_vs_kr_by_task.png with several tasks).
+
+    predictions.jsonl grows as the run goes and results.json says ``"partial": true`` until the end; Ctrl-C
+    writes the partial tables and says so; ``--resume`` finishes such a folder."""
+    from .eval import outdir
+    from .eval.runner import EvalSettings, count_runs, method_grid, prediction_record, run_eval
+    from .eval.tasks import load_task_file
 
     budgets, ratios = _sizes(args)
     settings = EvalSettings(
@@ -156,19 +160,71 @@ def cmd_eval(args) -> int:
         samples=args.samples, context_tokens=args.context_tokens, seed=args.seed,
         query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,
     )
+    method_grid(settings)  # every method, option and size checked before anything is loaded or written
+    for path in settings.task_files:
+        load_task_file(path)
     out = _out_dir(args)
+    done = _resumed(out, args, vars(settings)) if args.resume else {}
     model, tokenizer = _load(args)
-    with (out / "predictions.jsonl").open("w") as handle:  # written as the run goes
+    total = count_runs(settings, tokenizer)
+    outdir.start(out, "eval", overwrite=args.overwrite)
+    finished = list(done.values())
+    _eval_files(args, out, finished, vars(settings), total)  # "partial" from the first moment
+    _write_predictions(out, finished)
+    with (out / "predictions.jsonl").open("a") as handle:  # appended as the run goes
 
         def record(prediction) -> None:
+            finished.append(prediction)
             handle.write(json.dumps(prediction_record(prediction), default=str) + "\n")
             handle.flush()
 
-        rows, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet, on_prediction=record)
-    lengths = [p.stats["prompt_tokens"] for p in predictions] or [0]
-    _eval_report(args, out, rows, vars(settings), wall_s=wall, prompt_tokens=[min(lengths), max(lengths)])
+        try:
+            _, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet, on_prediction=record, done=done)
+        except KeyboardInterrupt:
+            handle.flush()
+            _eval_files(args, out, finished, vars(settings), total)
+            print(f"\nkvcompress: interrupted after {len(finished)} of {total} runs; {out}/ holds them, marked partial: "
+                  "finish with the same command and --resume", file=sys.stderr)
+            return 130
+    _write_predictions(out, predictions)  # in the grid's order, as an uninterrupted run writes them
+    _eval_files(args, out, predictions, vars(settings), total, wall_s=wall)
     print(f"wall time {wall:.0f} s; predictions in {out / 'predictions.jsonl'}")
     return 0
+
+
+def _write_predictions(out: Path, predictions: list) -> None:
+    from .eval import outdir
+    from .eval.runner import prediction_record
+
+    outdir.write_text(out / "predictions.jsonl", "".join(json.dumps(prediction_record(p), default=str) + "\n" for p in predictions))
+
+
+def _resumed(out: Path, args, settings: dict) -> dict:
+    """The predictions an interrupted eval in ``out`` already made, by run; refused unless that eval had
+    the same model and settings (a truncated last line, from a hard kill, is dropped)."""
+    from .eval.runner import prediction_from_record, prediction_key
+
+    results = out / "results.json"
+    if not results.is_file():
+        raise ValueError(f"--resume: {out} holds no results.json of an eval: nothing to resume (run without --resume)")
+    payload = json.loads(results.read_text())
+    theirs = payload.get("settings", {})
+    ours = json.loads(json.dumps(settings, default=str))
+    differing = [k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+    if payload.get("model") != _model_name(args):
+        differing.insert(0, "model")
+    if differing:
+        raise ValueError(f"--resume: {out} was made with another {', '.join(differing)}: resume with the flags that made it, "
+                         "or write to a new --out")
+    done = {}
+    path = out / "predictions.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            p = prediction_from_record(json.loads(line))
+        except (json.JSONDecodeError, KeyError):
+            break  # the line being written when the run was killed: it runs again
+        done[prediction_key(p.task, p.id, p.method, p.budget, p.ratio)] = p
+    return done
 
 
 def _tasks(args) -> list[str]:
@@ -181,19 +237,31 @@ def _tasks(args) -> list[str]:
 
 def cmd_report(args) -> int:
     """Merge comparable eval runs into one table and plot → results.json, results.md, accuracy_vs_kr*.png."""
+    from .eval import outdir
     from .eval.report import merge_results
 
     out = _out_dir(args)
     rows, settings = merge_results([Path(p) for p in args.runs])
     args.seed = settings.get("seed", args.seed)
+    outdir.start(out, "report", overwrite=args.overwrite)
     _eval_report(args, out, rows, {**settings, "merged_from": args.runs})
     return 0
 
 
-def _eval_report(args, out: Path, rows: list[dict], settings: dict, **extra) -> None:
+def _eval_files(args, out: Path, predictions: list, settings: dict, total: int, **extra) -> None:
+    """The tables and plots of an eval's predictions so far; ``"partial": true`` until all ``total`` runs are in."""
+    from .eval.runner import aggregate
+
+    lengths = [p.stats["prompt_tokens"] for p in predictions] or [0]
+    _eval_report(args, out, aggregate(predictions), settings, partial=len(predictions) < total, runs_done=len(predictions),
+                 runs_total=total, prompt_tokens=[min(lengths), max(lengths)], **extra)
+
+
+def _eval_report(args, out: Path, rows: list[dict], settings: dict, *, partial: bool = False, **extra) -> None:
     """results.json / .md, accuracy_vs_kr.png and its twin accuracy_vs_cr.png (plus the per-task plot with
-    several tasks) of eval rows."""
-    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
+    several tasks) of eval rows; a partial run's title says how far it got (and its table is not printed)."""
+    from .eval import outdir
+    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task, write_json
 
     protocol = "query-aware" if settings.get("query_aware") else "query-agnostic"
     size = f"{settings.get('context_tokens')} context tokens"
@@ -201,8 +269,14 @@ def _eval_report(args, out: Path, rows: list[dict], settings: dict, **extra) -> 
         low, high = extra["prompt_tokens"]
         size = f"prompts of {low}–{high} tokens" if low != high else f"prompts of {low} tokens"
     title = f"eval: {_model_name(args)}, {protocol}, {size}"
+    if partial:
+        title += f" — PARTIAL: {extra['runs_done']} of {extra['runs_total']} runs (finish with --resume)"
+    if not rows:  # nothing finished yet: the folder says so, and holds no table or plot
+        write_json(out / "results.json", rows, model=_model_name(args), seed=args.seed, settings=settings, partial=partial, **extra)
+        outdir.write_text(out / "results.md", f"# {title}\n\nNo run has finished yet.\n")
+        return
     _report(args, out, "results", rows, eval_markdown(rows, title), (plot_accuracy_vs_kr, "accuracy_vs_kr.png", title),
-            settings=settings, **extra)
+            settings=settings, show=not partial, partial=partial, **extra)
     plot_accuracy_vs_kr(rows, out / "accuracy_vs_cr.png", title, axis="cr")
     if len({r["task"] for r in rows} - {"all"}) > 1:
         plot_accuracy_vs_kr_by_task(rows, out / "accuracy_vs_kr_by_task.png", title)
@@ -212,21 +286,25 @@ def _model_name(args) -> str:
     return args.model or "smollm2-135m-instruct"
 
 
-def _report(args, out: Path, stem: str, rows: list[dict], markdown: str, plot: tuple, *, settings: dict, **extra) -> None:
-    """Write ``stem``.json (DESIGN.md schema) and ``stem``.md, draw the plot, print the table."""
+def _report(args, out: Path, stem: str, rows: list[dict], markdown: str, plot: tuple, *, settings: dict, show: bool = True,
+            **extra) -> None:
+    """Write ``stem``.json (DESIGN.md schema) and ``stem``.md, draw the plot, print the table (``show``)."""
+    from .eval import outdir
     from .eval.report import write_json
 
     write_json(out / f"{stem}.json", rows, model=_model_name(args), seed=args.seed, settings=settings, **extra)
-    (out / f"{stem}.md").write_text(markdown)
+    outdir.write_text(out / f"{stem}.md", markdown)
     draw, filename, title = plot
     draw(rows, out / filename, title)
-    print(markdown)
-    print(f"results in {out}/ ({stem}.json, {stem}.md); plot: {out / filename}")
+    if show:
+        print(markdown)
+        print(f"results in {out}/ ({stem}.json, {stem}.md); plot: {out / filename}")
 
 
 def cmd_diagnose(args) -> int:
     """Fidelity on plain text → diagnose.json, diagnose.md, error_per_layer.png."""
     from .diagnose import diagnose, diagnose_markdown, plot_layer_errors
+    from .eval import outdir
 
     text = None
     if args.text:
@@ -243,6 +321,7 @@ def cmd_diagnose(args) -> int:
     settings = {"methods": args.methods, "budgets": budgets, "ratios": ratios, "text": args.text or "built-in",
                 "context_tokens": args.context_tokens, "continuation_tokens": args.continuation_tokens}
     title = f"diagnose: {_model_name(args)}, {args.context_tokens} context + {args.continuation_tokens} continuation tokens"
+    outdir.start(out, "diagnose", overwrite=args.overwrite)  # only now, with every result in hand
     _report(args, out, "diagnose", rows, diagnose_markdown(rows, title),
             (plot_layer_errors, "error_per_layer.png", title), settings=settings)
     return 0
@@ -251,6 +330,7 @@ def cmd_diagnose(args) -> int:
 def cmd_bench(args) -> int:
     """Speed and memory of each method against full in one run → bench.json."""
     from .bench import bench
+    from .eval import outdir
     from .eval.report import write_json
 
     if args.engine:
@@ -270,6 +350,7 @@ def cmd_bench(args) -> int:
     budgets, ratios = _sizes(args)
     settings = {"budgets": budgets, "ratios": ratios,
                 **{k: getattr(args, k) for k in ("methods", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}}
+    outdir.start(out, "bench", overwrite=args.overwrite)
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
                device=str(model.device), threads=torch.get_num_threads())
     print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | cr | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
@@ -289,6 +370,7 @@ def _bench_engine(args) -> int:
     """``bench --engine``: many requests served at once on one KV pool, each method against full."""
     from . import LLM
     from .bench import bench_engine, bandwidth_bound
+    from .eval import outdir
     from .eval.report import write_json
 
     methods = [None if m.name == "full" else m for m in _grid(args)]
@@ -301,6 +383,7 @@ def _bench_engine(args) -> int:
     for row in rows:
         row["bandwidth_bound"] = bandwidth_bound(llm.model, row["context_tokens"], row["kr"])
     settings = {k: getattr(args, k) for k in ("methods", "context_tokens", "requests", "max_tokens", "kv_memory", "max_num_seqs", "device")}
+    outdir.start(out, "bench", overwrite=args.overwrite)
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
                device=str(llm.model.device), threads=torch.get_num_threads())
     print("| context | method | size | kr | max concurrent | decode tok/s | prefill tok/s | end-to-end tok/s | TTFT s (median/p90) | "
@@ -417,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and KV cache dtype; auto: the checkpoint's on a GPU, float32 on the CPU")
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+        p.add_argument("--debug", action="store_true", help="show the traceback of an expected error too")
 
     g = sub.add_parser("generate", formatter_class=_Help, help="answer one question about one context with one method")
     common(g)
@@ -447,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
         size.add_argument("--budgets", type=_numbers(int), help=f"comma-separated entries per KV head, e.g. 64,128,256 (default: {budgets or 'none'})")
         size.add_argument("--ratios", type=_numbers(float), help=f"comma-separated fractions of the context kept (read per step for quest, omnikv), e.g. 0.1,0.25,0.5 (default: {ratios or 'none'})")
         p.set_defaults(default_budgets=budgets, default_ratios=ratios)
-        p.add_argument("--out", default=out, help="output directory")
+        p.add_argument("--out", default=out, help="output directory (refused if it holds anything, unless --overwrite)")
+        p.add_argument("--overwrite", action="store_true", help="replace the results already in --out")
 
     e = sub.add_parser("eval", formatter_class=_Help, help="task accuracy per method × budget")
     common(e)
@@ -461,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=_count, default=None, help="default: per task")
     e.add_argument("--query-aware", action="store_true", help="compress the question with the context")
     e.add_argument("--no-share-prefill", action="store_true", help="prefill again for every method × budget")
+    e.add_argument("--resume", action="store_true", help="finish the interrupted eval in --out (the same flags; its finished "
+                   "runs are kept, the rest run)")
     e.set_defaults(func=cmd_eval)
 
     dg = sub.add_parser("diagnose", formatter_class=_Help, help="fidelity on plain text: per-layer attention error, KL, perplexity")
@@ -487,9 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", formatter_class=_Help, help="merge comparable eval runs into one table and plot")
     r.add_argument("runs", nargs="+", help="eval output directories (or results.json files); later ones win")
-    r.add_argument("--out", default="runs/report", help="output directory")
+    r.add_argument("--out", default="runs/report", help="output directory (refused if it holds anything, unless --overwrite)")
+    r.add_argument("--overwrite", action="store_true", help="replace the results already in --out")
     r.add_argument("--model", default=None, help="model name for the title")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--debug", action="store_true", help="show the traceback of an expected error too")
     r.set_defaults(func=cmd_report)
 
     sv = sub.add_parser("serve", formatter_class=_Help, help="an OpenAI-compatible server over the engine")
@@ -517,17 +606,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one verb. Expected failures end in one line on stderr: exit 2 for bad input (usage: flags, methods,
+    files, folders), 1 for a failure while running (a model that cannot be fetched, a full disk, out of
+    memory); ``--debug`` shows their traceback too. Ctrl-C ends with one line and exit 130. Anything else
+    is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     if args.verb not in ("methods", "report"):
         _quiet_transformers()
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("\nkvcompress: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as error:
-        print(f"kvcompress: error: {error}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # the reader went away (`kvcompress methods | head`): nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return _fail(args, error, 2)
+    except (OSError, MemoryError, torch.OutOfMemoryError) as error:
+        if isinstance(error, BrokenPipeError):  # the reader went away (`kvcompress methods | head`): nothing more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        return _fail(args, error, 1)
+
+
+def _fail(args, error: BaseException, code: int) -> int:
+    if getattr(args, "debug", False):
+        raise error
+    print(f"kvcompress: error: {error}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

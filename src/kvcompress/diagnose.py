@@ -92,19 +92,29 @@ def diagnose_markdown(rows: list[dict], title: str) -> str:
 
 def plot_layer_errors(rows: list[dict], path, title: str) -> None:
     """Relative attention-output error per layer, one line per method × size (log scale)."""
-    from .eval.report import plt
+    from .eval.outdir import save_figure
 
+    save_figure(layer_error_figure(rows, title), path)
+
+
+def layer_error_figure(rows: list[dict], title: str):
+    """One color per method, one line style per size (smallest solid), legend beside the axes."""
+    from .eval.report import method_colors, plt
+
+    rows = [r for r in rows if r["method"] != "full"]
+    colors = method_colors(r["method"] for r in rows)
+    styles = ("-", "--", ":", "-.")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        if r["method"] == "full":
-            continue
-        ax.plot(range(len(r["rel_error_per_layer"])), r["rel_error_per_layer"], marker=".", label=r["label"])
+        sizes = sorted({(s["budget"] or 0, s["ratio"] or 0) for s in rows if s["method"] == r["method"]})
+        style = styles[sizes.index((r["budget"] or 0, r["ratio"] or 0)) % len(styles)]
+        ax.plot(range(len(r["rel_error_per_layer"])), r["rel_error_per_layer"], marker=".", color=colors[r["method"]],
+                linestyle=style, label=r["label"])
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("relative attention-output error")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2 if len(rows) > 12 else 1, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -151,9 +151,11 @@ def test_report_merges_comparable_runs_and_refuses_others(tmp_path, capsys):
     merged = json.loads((out / "results.json").read_text())["rows"]
     assert sorted((r["method"], r["score"]) for r in merged) == [("full", 90.0), ("gvote", 60.0), ("snapkv", 45.0)]
     assert (out / "accuracy_vs_kr.png").exists()
-    assert cli_main(["report", first, other, "--out", str(out)]) == 2
+    assert cli_main(["report", first, other, "--out", str(out)]) == 2  # results are there: refused, untouched
+    assert "already holds" in capsys.readouterr().err and json.loads((out / "results.json").read_text())["rows"] == merged
+    assert cli_main(["report", first, other, "--out", str(out), "--overwrite"]) == 2
     assert "samples differ" in capsys.readouterr().err
-    assert cli_main(["report", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert cli_main(["report", str(tmp_path / "missing"), "--out", str(out), "--overwrite"]) == 2
 
 
 def test_sizes_given_on_the_command_line_replace_the_verbs_defaults():
@@ -213,3 +215,46 @@ def test_cli_eval_on_a_task_file_states_the_real_prompt_lengths(tiny_checkpoint,
     assert low < high and f"prompts of {low}–{high} tokens" in (out / "results.md").read_text()
     lines = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert {line["id"] for line in lines} == {"s0", "s1"} and {line["task"] for line in lines} == {"toy"}  # the file only
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def _rows(methods, tasks, sizes=(0.1, 0.25, 0.5)):
+    rows = [{"method": "full", "budget": None, "ratio": None, "task": t, "n": 4, "score": 90.0, "kr": 1.0, "cr": 1.0} for t in tasks]
+    for i, method in enumerate(methods):
+        for ratio in sizes:
+            rows += [{"method": method, "budget": None, "ratio": ratio, "task": t, "n": 4, "score": 100 * ratio - i, "kr": ratio,
+                      "cr": ratio} for t in tasks]
+    return rows
+
+
+@pytest.mark.parametrize("tasks", [["a", "b", "c", "d", "e"], ["a", "b", "c"], ["a", "b", "c", "d", "e", "f"]])
+def test_legends_never_cover_a_panel(tasks):
+    from kvcompress.eval.report import accuracy_by_task_figure, accuracy_figure, plt
+
+    rows = _rows([f"method{i}" for i in range(12)], tasks)
+    for fig in (accuracy_by_task_figure(rows, "t"), accuracy_figure(rows + [dict(r, task="all") for r in rows if r["task"] == "a"], "t")):
+        renderer = fig.canvas.get_renderer()
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
+        assert len(legends) == 1
+        box = legends[0].get_window_extent(renderer)
+        panels = [ax for ax in fig.axes if ax.lines or ax.collections]
+        assert panels and not any(_overlaps(box, ax.get_window_extent(renderer)) for ax in panels)
+        plt.close(fig)
+
+
+def test_error_per_layer_gives_each_method_one_color_and_each_size_a_style():
+    from kvcompress.diagnose import layer_error_figure
+    from kvcompress.eval.report import plt
+
+    rows = [{"method": m, "budget": b, "ratio": None, "label": f"{m}@{b}", "rel_error_per_layer": [0.1 * (i + 1), 0.2]}
+            for i, m in enumerate(["snapkv", "adakv", "h2o"]) for b in (64, 128, 256)]
+    fig = layer_error_figure(rows, "t")
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    for method in ("snapkv", "adakv", "h2o"):
+        assert len({lines[f"{method}@{b}"].get_color() for b in (64, 128, 256)}) == 1
+        assert [lines[f"{method}@{b}"].get_linestyle() for b in (64, 128, 256)] == ["-", "--", ":"]
+    assert len({lines[f"{m}@64"].get_color() for m in ("snapkv", "adakv", "h2o")}) == 3
+    plt.close(fig)

@@ -12,12 +12,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .. import __version__  # noqa: E402
+from .outdir import save_figure, write_text  # noqa: E402
 
 
 def write_json(path: Path, rows: list[dict], *, model: str, seed: int, settings: dict, **extra) -> None:
     """``{"rows": [...], "model", "seed", "version", "settings", ...}`` (DESIGN.md, "Command line")."""
     payload = {"rows": rows, "model": model, "seed": seed, "version": __version__, "settings": settings, **extra}
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 def size_label(row: dict) -> str:
@@ -65,34 +66,53 @@ def eval_markdown(rows: list[dict], title: str) -> str:
 def plot_accuracy_vs_kr(rows: list[dict], path: Path, title: str, axis: str = "kr") -> None:
     """Average score against kr (bytes held; ``axis="cr"``: entries read per decoding step, the twin
     plot where dynamic selection shows): a line per fixed-budget method, points for adaptive ones, a
-    star for full."""
+    star for full. The legend sits beside the axes, never over the data."""
+    save_figure(accuracy_figure(rows, title, axis), path)
+
+
+def accuracy_figure(rows: list[dict], title: str, axis: str = "kr"):
     task = "all" if any(r["task"] == "all" for r in rows) else rows[0]["task"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     _draw_task(ax, rows, task, axis)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_accuracy_vs_kr_by_task(rows: list[dict], path: Path, title: str) -> None:
     """One panel per task: there an adaptive method's point sits at the kr it chose for that task."""
+    save_figure(accuracy_by_task_figure(rows, title), path, dpi=110)
+
+
+def accuracy_by_task_figure(rows: list[dict], title: str):
+    """The panels, and one legend for all of them: in the grid's spare cell when there is one (5 tasks
+    in 2 × 3), else below the grid — never over a panel."""
     tasks = sorted({r["task"] for r in rows} - {"all"})
     cols = min(3, len(tasks))
-    fig, axes = plt.subplots((len(tasks) + cols - 1) // cols, cols, figsize=(4.2 * cols, 3.4 * ((len(tasks) + cols - 1) // cols)),
-                             squeeze=False)
+    grid_rows = (len(tasks) + cols - 1) // cols
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.2 * cols, 3.4 * grid_rows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
         _draw_task(ax, rows, task)
         ax.set_title(task, fontsize=10)
-    for ax in list(axes.flat)[len(tasks):]:
+    spare = list(axes.flat)[len(tasks):]
+    for ax in spare:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if spare:
+        spare[0].legend(handles, labels, fontsize=8, loc="center", ncol=2 if len(labels) > 8 else 1)
+    else:
+        fig.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(len(labels), 5))
+    return fig
+
+
+def method_colors(methods) -> dict[str, tuple]:
+    """One color per method (full: black), the same in every plot of a run."""
+    names = sorted(set(methods) - {"full"})
+    palette = plt.cm.tab20.colors
+    return {"full": (0.0, 0.0, 0.0), **{name: palette[i % len(palette)] for i, name in enumerate(names)}}
 
 
 def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
@@ -100,12 +120,11 @@ def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
     for r in rows:
         if r["task"] == task:
             series[r["method"]].append((r.get(axis, r["kr"]), r["score"]))
-    methods = sorted({r["method"] for r in rows} - {"full"})
-    colors = plt.cm.tab20.colors  # the same method gets the same color in every panel
+    colors = method_colors(r["method"] for r in rows)  # the same method gets the same color in every panel
     for method, points in sorted(series.items()):
         points.sort()
         xs, ys = zip(*points)
-        color = colors[methods.index(method) % len(colors)] if method in methods else "black"
+        color = colors[method]
         if method == "full":
             ax.scatter(xs, ys, marker="*", s=180, color="black", label="full", zorder=3)
         elif len(points) == 1:  # adaptive methods: one point at the kr they chose
@@ -130,6 +149,10 @@ def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
         if not file.exists():
             raise FileNotFoundError(f"{file} does not exist: give eval output directories or results.json files")
         payload = json.loads(file.read_text())
+        if payload.get("partial"):
+            raise ValueError(f"{file} holds an unfinished eval ({payload.get('runs_done', 0)} of {payload.get('runs_total', '?')} "
+                             f"runs): finish it with `kvcompress eval ... --resume --out {file.parent}` (the same flags), "
+                             "or leave it out")
         theirs = payload.get("settings", {})
         if settings is None:
             settings = theirs

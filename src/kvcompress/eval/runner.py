@@ -104,52 +104,72 @@ class Prediction:
 
 
 def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True,
-             on_prediction: Callable[[Prediction], None] | None = None) -> tuple[list[dict], list[Prediction], float]:
+             on_prediction: Callable[[Prediction], None] | None = None,
+             done: dict[tuple, Prediction] | None = None) -> tuple[list[dict], list[Prediction], float]:
     """Run the grid on every sample; returns (aggregated rows, predictions, wall seconds).
 
     ``on_prediction`` sees each prediction as soon as it exists (the CLI appends it to
-    predictions.jsonl, so a long run that stops early keeps what it did).
+    predictions.jsonl, so a long run that stops early keeps what it did). ``done`` holds the
+    predictions of an interrupted run by ``prediction_key``: they are not run again, and the
+    result is the same list, in the same order, as an uninterrupted run's.
     """
     grid = method_grid(settings)
     samples = load_samples(settings, tokenizer)
+    done = done or {}
     start = time.perf_counter()
     predictions = []
     bar = tqdm(total=len(samples) * len(grid), desc="eval", disable=not progress, unit="run")
     for sample in samples:
-        outputs = _run_sample(model, tokenizer, sample, grid, settings)
-        for method, out in zip(grid, outputs):
-            predictions.append(_prediction(sample, method, out))
-            if on_prediction is not None:
-                on_prediction(predictions[-1])
+        todo = [m for m in grid if prediction_key(sample.task, sample.id, m.variant, m.budget, m.ratio) not in done]
+        outputs = _run_sample(model, tokenizer, sample, grid, todo, settings)
+        for method in grid:
+            key = prediction_key(sample.task, sample.id, method.variant, method.budget, method.ratio)
+            if key in done:
+                predictions.append(done[key])
+            else:
+                predictions.append(_prediction(sample, method, next(outputs)))
+                if on_prediction is not None:
+                    on_prediction(predictions[-1])
             bar.update(1)
     bar.close()
     return aggregate(predictions), predictions, time.perf_counter() - start
 
 
-def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], settings: EvalSettings) -> list[GenerateOutput]:
+def count_runs(settings: EvalSettings, tokenizer) -> int:
+    """How many sample × method × size runs ``settings`` makes."""
+    return len(load_samples(settings, tokenizer)) * len(method_grid(settings))
+
+
+def prediction_key(task: str, sample_id: str, method: str, budget: int | None, ratio: float | None) -> tuple:
+    """What identifies one run of an eval (a predictions.jsonl line)."""
+    return (task, sample_id, method, budget, ratio)
+
+
+def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], todo: list[Method], settings: EvalSettings):
+    """Yield the output of each method of ``todo`` (a part of ``grid``, in its order) on one sample, as each
+    finishes. The shared prefill observes for the whole grid, so a resumed run prefills as the first did."""
     prompt = build_prompt(tokenizer, sample.context, sample.question)
     max_new = settings.max_new_tokens or MAX_NEW_TOKENS.get(sample.task, DEFAULT_MAX_NEW_TOKENS)
     check_inputs(model, sample.context, prompt, max_new)
     qa = settings.query_aware
+    if not todo:
+        return
     if not settings.share_prefill:
-        outputs = []
-        for method in grid:
+        for method in todo:
             cache = CompressedCache(model, method)
             logits, wall = prefill(model, cache, prompt, qa)
             out = answer(model, tokenizer, cache, prompt, logits, max_new_tokens=max_new, query_aware=qa)
             out.stats["prefill_s"] = wall - out.stats["compress_s"]
-            outputs.append(out)
-        return outputs
+            yield out
+        return
     shared = CompressedCache.shared(model, grid)
     logits, wall = prefill(model, shared, prompt, qa)
-    outputs = []
-    for method in grid:
+    for method in todo:
         fork = shared.fork(method)
         out = answer(model, tokenizer, fork, prompt, logits, max_new_tokens=max_new, query_aware=qa)
         fork.release()  # its slots in the shared pool are free for the next method
         out.stats["prefill_s"] = wall  # the one shared prefill this sample cost
-        outputs.append(out)
-    return outputs
+        yield out
 
 
 def _prediction(sample: Sample, method: Method, out: GenerateOutput) -> Prediction:
@@ -191,8 +211,16 @@ def _row(key: tuple, members: list[Prediction]) -> dict:
 
 
 def prediction_record(p: Prediction) -> dict:
-    """The predictions.jsonl line (DESIGN.md) plus the score and the sample's cost."""
+    """The predictions.jsonl line (DESIGN.md) plus the score, the sample's cost and prompt length."""
     record = asdict(p)
     stats = record.pop("stats")
-    record.update(cr=stats["cr"], kv_bytes=stats["kv_bytes"], prompt_tokens=stats["prompt_tokens"])
+    record.update({k: stats[k] for k in (*ROW_STATS, "prompt_tokens")})
     return record
+
+
+def prediction_from_record(record: dict) -> Prediction:
+    """A predictions.jsonl line back as the Prediction it was written from (what ``aggregate`` needs)."""
+    stats = {k: record[k] for k in (*ROW_STATS, "prompt_tokens")}
+    return Prediction(id=record["id"], task=record["task"], method=record["method"], budget=record["budget"], ratio=record["ratio"],
+                      answer=record["answer"], score=record["score"], correct=record["correct"], kr=record["kr"], stats=stats,
+                      question=record["question"], references=record["references"])
