@@ -28,7 +28,7 @@ qwen: setup
 # The main job: every method against the full cache on the built-in long-context tasks
 # (query-agnostic: the context is compressed before the question is seen). ~5 min on 2 cores.
 run: setup
-	$(BIN)/kvcompress eval --methods streamingllm,h2o,snapkv,pyramidkv,adakv,momentkv,keepkv,gvote \
+	$(BIN)/kvcompress eval --methods streamingllm,h2o,snapkv,pyramidkv,adakv,momentkv,keepkv,retention,gvote \
 	    --ratios 0.5 --samples 3 --context-tokens 1024 --out runs/quickstart --overwrite
 
 test: setup

@@ -12,6 +12,31 @@ from kvcompress.session import Session
 from kvcompress.store.slots import SlotPool
 
 
+_GATES: dict[tuple, str] = {}
+
+
+def tiny_gates(model) -> str:
+    """A folder of untrained retention gates fitting ``model``'s layers, KV heads and width (c = 2, so that β
+    differ between tokens), made once per shape."""
+    import tempfile
+
+    from kvcompress.methods.retention import RetentionGates
+
+    config = model.config
+    dims = (config.num_hidden_layers, config.num_key_value_heads, config.hidden_size)
+    if dims not in _GATES:
+        _GATES[dims] = tempfile.mkdtemp(prefix="kvcompress-gates-")
+        RetentionGates(*dims, width=8, c_init=2.0, seed=1).save(_GATES[dims], model="tiny")
+    return _GATES[dims]
+
+
+def tiny_method(name: str, model, **options):
+    """``get_method``, with gates that fit ``model`` for a method that learns them (retention)."""
+    if name == "retention" and "checkpoint" not in options:
+        options["checkpoint"] = tiny_gates(model)
+    return get_method(name, **options)
+
+
 def tiny_model(kind: str = "llama", layers: int = 2, seed: int = 0):
     """A randomly initialised Llama, Mistral, Qwen2 (q/k/v bias) or Qwen3 (q/k-norm) small enough for unit tests."""
     torch.manual_seed(seed)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common import layers_of, left_padded_batch, tiny_model
+from common import layers_of, left_padded_batch, tiny_method, tiny_model
 from kvcompress import CompressedCache, available_methods, get_method
 from kvcompress.methods import REGISTRY
 from kvcompress.store.slots import SlotTable, SlotPool
@@ -24,7 +24,7 @@ def test_full_and_ratio_one_reproduce_generate(kind):
     reference = _generate(model, ids)
     assert torch.equal(_generate(model, ids, CompressedCache(model, get_method("full"))), reference)
     for name in METHODS:
-        out = _generate(model, ids, CompressedCache(model, get_method(name, ratio=1.0)))
+        out = _generate(model, ids, CompressedCache(model, tiny_method(name, model, ratio=1.0)))
         assert torch.equal(out, reference), name
 
 
@@ -37,11 +37,11 @@ def test_plain_caches_still_work_after_switching_attention():
     assert torch.equal(_generate(model, ids), before)
 
 
-@pytest.mark.parametrize("name", ["full", "snapkv", "adakv", "h2o", "streamingllm", "pyramidkv", "momentkv"])
+@pytest.mark.parametrize("name", ["full", "snapkv", "adakv", "h2o", "streamingllm", "pyramidkv", "momentkv", "retention"])
 def test_padded_batch_matches_per_sample_runs(name):
     model = tiny_model(seed=3)
     rows, batch, mask = left_padded_batch([64, 41], seed=2)
-    method = get_method(name, budget=24) if name != "full" else get_method("full")
+    method = tiny_method(name, model, budget=24, **({"buffer": 3} if name == "retention" else {})) if name != "full" else get_method("full")
     cache = CompressedCache(model, method)
     batched = _generate(model, batch, cache, mask)
     for i, row in enumerate(rows):
@@ -79,10 +79,10 @@ def test_kr_is_bytes_held_over_full_and_adakv_is_ragged():
 def test_fork_equals_compressing_directly():
     model = tiny_model()
     ids = torch.randint(3, 128, (1, 60))
-    shared = CompressedCache(model, compress_on_prefill=False, observation_window=32, attention_sums=True)
+    shared = CompressedCache(model, compress_on_prefill=False, observation_window=32, attention_sums=True, hidden_states=True)
     model(ids, past_key_values=shared)
     for name in METHODS:
-        method = get_method(name, budget=12)
+        method = tiny_method(name, model, budget=12)
         direct = CompressedCache(model, method)
         model(ids, past_key_values=direct)
         forked = shared.fork(method)

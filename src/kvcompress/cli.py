@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -422,6 +423,29 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    """Train what a method learns (retention gates) on the frozen model → --out/model.safetensors + config.json;
+    a folder with an unfinished run of the same settings is resumed."""
+    from .eval import outdir
+    from .train.retention import RetentionTraining, train_retention
+
+    settings = RetentionTraining(steps=args.steps, seq_len=args.seq_len, budget=args.budget, width=args.width, lr=args.lr,
+                                 capacity=args.capacity, next_token=args.next_token, seed=args.seed, save_every=args.save_every)
+    if args.data is not None and not Path(args.data).is_file():
+        raise FileNotFoundError(f"--data {args.data}: no such file (a JSONL task file or a plain text file)")
+    out = Path(args.out)
+    outdir.check_out(out, overwrite=args.overwrite, resume=(out / "run.json").is_file())
+    if args.overwrite:
+        for name in ("run.json", "state.pt", "model.safetensors", "config.json"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "steps", ignore_errors=True)
+    model, tokenizer = _load(args)
+    final = train_retention(model, tokenizer, out, settings, data=args.data, model_name=_model_name(args), progress=not args.quiet)
+    print(f"retention gates in {out}/ (model.safetensors, config.json); final losses {final}; "
+          f"use them with --methods 'retention:checkpoint=\"{out}\"'")
+    return 0
+
+
 def cmd_methods(args) -> int:
     """List the registered methods: paper, what each does (its docstring's first line), its size and its
     options with their defaults (``name:option=value`` on the command line)."""
@@ -597,6 +621,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="default: 8000")
     sv.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("train", formatter_class=_Help, help="train retention gates on the frozen model")
+    t.add_argument("what", choices=["retention"], help="what to train")
+    common(t)
+    t.add_argument("--out", required=True, help="folder for model.safetensors + config.json (an unfinished run there resumes)")
+    t.add_argument("--overwrite", action="store_true", help="start again in a folder that holds a run")
+    t.add_argument("--steps", type=_count, default=800, help="optimizer steps, one sequence each")
+    t.add_argument("--seq-len", type=_count, default=512, help="tokens per training sequence")
+    t.add_argument("--budget", type=_count, default=128, help="entries per KV head in the capacity term (× layers × KV heads)")
+    t.add_argument("--width", type=_count, default=16, help="gate MLP width")
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--capacity", type=float, default=1.0, help="weight of the capacity loss")
+    t.add_argument("--next-token", type=float, default=0.0, help="weight of the next-token loss")
+    t.add_argument("--save-every", type=_count, default=100, help="steps between saved states (and gate snapshots in steps/)")
+    t.add_argument("--data", default=None, help="a JSONL task file or a text file (default: sequences from the built-in "
+                   "task generators at seeds the eval never uses)")
+    t.set_defaults(func=cmd_train)
 
     m = sub.add_parser("methods", formatter_class=_Help, help="list the methods")
     m.set_defaults(func=cmd_methods)

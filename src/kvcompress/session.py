@@ -93,11 +93,12 @@ class Session:
     # ----- the prefill -----------------------------------------------------------------------
     def prefill(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                 scaling: float, *, mask: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
-                hidden_stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                hidden_stats: tuple[torch.Tensor, torch.Tensor] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Attend the prompt of one layer (queries [B, Hq, n, d], keys/values [B, H, n, d] at positions
         [B, n]), store its entries and record what the method scores with: output [B, Hq, n, d].
 
-        ``mask`` is transformers' 4-D mask (padded batches) and ``token_valid`` [B, n] marks real tokens."""
+        ``mask`` is transformers' 4-D mask (padded batches) and ``token_valid`` [B, n] marks real tokens;
+        ``hidden`` [B, n, D] is the layer's attention input (kept when the method needs ``hidden_states``)."""
         if self.layers[layer_idx] is not None:
             raise RuntimeError(f"layer {layer_idx} was already prefilled; a session holds one prompt (chunked prefill: engine)")
         batch, _, n, _ = query.shape
@@ -112,7 +113,7 @@ class Session:
             out, _ = prompt_attention(query, key, value, scaling, mask)
         self.table.append(self.pool, key, value, positions, token_valid, rows=self.rows(layer_idx))
         tokens = torch.full((batch,), n, dtype=torch.long) if token_valid is None else token_valid.sum(1).cpu()
-        observations = self._observations(query, positions, sums, token_valid, hidden_stats)
+        observations = self._observations(query, positions, sums, token_valid, hidden_stats, hidden)
         self.layers[layer_idx] = LayerState(scaling, seen=n, tokens_seen=tokens, observations=observations)
         if self.compress_on_prefill:
             if not self.method.plans_globally:
@@ -129,8 +130,9 @@ class Session:
         layers = self.num_layers if (not self.compress_on_prefill or self.method.plans_globally) else 1
         self.pool.reserve(batch * self.num_kv_heads * (n + 64) * layers)
 
-    def _observations(self, query, positions, sums, token_valid, hidden_stats) -> dict:
-        """The last ``window`` queries, per-entry attention sums (in the table's layout), hidden statistics."""
+    def _observations(self, query, positions, sums, token_valid, hidden_stats, hidden) -> dict:
+        """The last ``window`` queries, per-entry attention sums and attention inputs (in the table's layout),
+        hidden statistics."""
         observe, obs = self.observe, {}
         w = min(observe.window, query.shape[2])
         if w > 0:
@@ -140,13 +142,17 @@ class Session:
             obs["attention_sums"] = sums if token_valid is None else _left_aligned(sums, token_valid)
         if observe.hidden_stats and hidden_stats is not None:
             obs["hidden_mean"], obs["hidden_std"] = hidden_stats
+        if observe.hidden_states and hidden is not None:  # [B, L, D], each row's real tokens first
+            obs["hidden_states"] = hidden if token_valid is None else _left_aligned(hidden.transpose(1, 2), token_valid).transpose(1, 2)
         return obs
 
     # ----- compression -----------------------------------------------------------------------
-    def context(self, layer_idx: int, query: torch.Tensor | None = None, query_positions: torch.Tensor | None = None) -> LayerContext:
+    def context(self, layer_idx: int, query: torch.Tensor | None = None, query_positions: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> LayerContext:
         layer = self.layers[layer_idx]
         module = self.modules[layer_idx] if self.modules is not None else None
-        return LayerContext(layer_idx, self.num_layers, layer.scaling, layer.tokens_seen, layer.observations, layer.state,
+        observations = layer.observations if hidden is None else {**layer.observations, "step_hidden": hidden}
+        return LayerContext(layer_idx, self.num_layers, layer.scaling, layer.tokens_seen, observations, layer.state,
                             module, self.rotary, query, query_positions, self.notes, self._step)
 
     def view(self, layer_idx: int) -> KVView:
@@ -191,15 +197,16 @@ class Session:
 
     # ----- decoding --------------------------------------------------------------------------
     def decode(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-               scaling: float | None = None) -> torch.Tensor:
+               scaling: float | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Append a step's entries (keys/values [B, H, q, d] at positions [B, q]), read, let the method
-        act: output [B, Hq, q, d]."""
+        act (``hidden`` [B, q, D]: the step's attention input, for methods that need ``hidden_states``):
+        output [B, Hq, q, d]."""
         self.append_step(layer_idx, key, value, positions)
         view = self.view(layer_idx)
         select = self.select(layer_idx, view, query, positions)
         result = read(query, positions, view, self.layers[layer_idx].scaling, select=select,
                       col_sums=self.wants_col_sums(layer_idx, query, positions))
-        self.after_read(layer_idx, query, positions, result.col_sums, view)
+        self.after_read(layer_idx, query, positions, result.col_sums, view, hidden)
         return result.out
 
     def select(self, layer_idx: int, view: KVView, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -241,19 +248,20 @@ class Session:
         return method.acts_while_decoding and method.wants_col_sums(self.context(layer_idx, query, positions))
 
     def after_read(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor, col_sums: torch.Tensor | None,
-                   view: KVView | None = None) -> None:
+                   view: KVView | None = None, hidden: torch.Tensor | None = None) -> None:
         """Let the method act on a layer after its read (now, or after the last layer's for a method that
-        acts on every layer at once); ``view`` is the layer's view the read used, if at hand."""
+        acts on every layer at once); ``view`` is the layer's view the read used, if at hand; ``hidden``
+        the step's attention input (in the context's observations as ``step_hidden``)."""
         method = self.method
         if not method.acts_while_decoding:
             return
         if method.decodes_all_layers:
-            self._pending[layer_idx] = (query, positions, col_sums)
+            self._pending[layer_idx] = (query, positions, col_sums, hidden)
             if layer_idx == self.num_layers - 1:
                 self._act_on_all_layers()
             return
-        edit = method.decode_step(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions),
-                                  col_sums)
+        edit = method.decode_step(view if view is not None else self.view(layer_idx),
+                                  self.context(layer_idx, query, positions, hidden), col_sums)
         if edit is not None:
             self.apply(layer_idx, edit)
 
@@ -262,21 +270,22 @@ class Session:
         and column sums stacked (layers that did not read this step leave theirs as they are)."""
         pending, self._pending = self._pending, {}
         if len(pending) < self.num_layers:
-            for i, (query, positions, col_sums) in pending.items():  # a partial step: layer by layer
-                view, context = self.view(i), self.context(i, query, positions)
+            for i, (query, positions, col_sums, hidden) in pending.items():  # a partial step: layer by layer
+                view, context = self.view(i), self.context(i, query, positions, hidden)
                 edit = self.method.decode_step(view, context, col_sums)
                 if edit is not None:
                     self.apply(i, edit)
             return
         view = self.table.view(self.pool)
         length = view.shape[2]
-        queries, positions, col_sums = zip(*(pending[i] for i in range(self.num_layers)))
+        queries, positions, col_sums, hiddens = zip(*(pending[i] for i in range(self.num_layers)))
         sums = None
         if all(s is not None for s in col_sums):
             sums = torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[-1])) for s in col_sums])
         layers = self.layers
+        step = {"step_hidden": torch.cat(hiddens)} if all(h is not None for h in hiddens) else {}
         context = LayerContext(
-            -1, self.num_layers, layers[0].scaling, torch.cat([layer.tokens_seen for layer in layers]), {},
+            -1, self.num_layers, layers[0].scaling, torch.cat([layer.tokens_seen for layer in layers]), step,
             _stack_states([layer.state for layer in layers]), None, self.rotary, torch.cat(queries), torch.cat(positions),
             self.notes,
         )
@@ -303,8 +312,9 @@ class Session:
         needs = method.needs()
         if not self.observe.covers(needs):
             raise ValueError(
-                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums} and "
-                f"hidden_stats={needs.hidden_stats}; build the shared prefill cache with those settings "
+                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums}, "
+                f"hidden_stats={needs.hidden_stats} and hidden_states={needs.hidden_states}; build the shared prefill "
+                "cache with those settings "
                 "(CompressedCache.shared(model, methods) does)."
             )
         twin = Session(method, self.pool, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, modules=self.modules,

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import tiny_model
+from common import tiny_method, tiny_model
 from conftest import tiny_tokenizer
 import kvcompress as kvc
 from kvcompress.engine import SamplingParams
@@ -62,10 +62,12 @@ def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_step
     assert llm.pool.num_used == 0 and llm.stats()["pool_used_bytes"] == 0
 
 
-@pytest.mark.parametrize("name", ["snapkv", "adakv", "streamingllm", "h2o", "momentkv", "keepkv", "cam", "gvote"])
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "streamingllm", "h2o", "momentkv", "keepkv", "cam", "gvote", "retention"])
 def test_compressing_methods_equal_the_single_request_cache(name):
     model = sharp_model(seed=2)
-    method = kvc.get_method(name) if name == "gvote" else kvc.get_method(name, budget=20, **({} if name in ("streamingllm", "h2o") else {"window": 8}))
+    options = {"budget": 20, **({"window": 8} if name not in ("streamingllm", "h2o", "retention") else {}),
+               **({"buffer": 4} if name == "retention" else {})}
+    method = kvc.get_method(name) if name == "gvote" else tiny_method(name, model, **options)
     llm = make_llm(model)
     prompts = prompts_of([64, 90, 41], seed=3)
     outs = run_staggered(llm, prompts, SamplingParams(max_tokens=10, ignore_eos=True), method, every=3)

@@ -56,8 +56,8 @@ class _BatchCache(Cache):
         self.runner.modules[layer_idx]._kvcompress_pending = (self, layer_idx)
         return key_states, value_states
 
-    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids) -> torch.Tensor:
-        return self.runner.decode_layer(self.sessions, layer_idx, query, key, value, position_ids, scaling)
+    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
+        return self.runner.decode_layer(self.sessions, layer_idx, query, key, value, position_ids, scaling, hidden)
 
 
 class ModelRunner:
@@ -93,8 +93,10 @@ class ModelRunner:
             raise RuntimeError("the model left the kvcompress attention implementation")
         return self.model(ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
 
-    def decode_layer(self, sessions: list[Session], layer_idx: int, query, key, value, positions, scaling) -> torch.Tensor:
-        """One layer of a decoding step: append each request's entries, one batched read, then each method acts."""
+    def decode_layer(self, sessions: list[Session], layer_idx: int, query, key, value, positions, scaling,
+                     hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer of a decoding step: append each request's entries, one batched read, then each method acts
+        (``hidden`` [R, 1, D]: the step's attention inputs, for methods that gate them)."""
         count, heads, q, dim = key.shape
         slots = self.pool.allocate(count * heads * q)  # every request's new entries written at once
         self.pool.write(slots, key.reshape(-1, dim), value.reshape(-1, dim))
@@ -110,7 +112,8 @@ class ModelRunner:
             sums = None
             if wants[r]:
                 sums = result.col_sums[r : r + 1, :, : int(session.lengths(layer_idx).max())]
-            session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums)
+            step_hidden = hidden[r : r + 1] if hidden is not None and session.observe.hidden_states else None
+            session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
         return result.out
 
     def joint_select(self, sessions: list[Session], layer_idx: int, query, positions, length: int) -> torch.Tensor | None:

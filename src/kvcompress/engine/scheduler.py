@@ -39,9 +39,10 @@ class Scheduler:
         return n if kept is None else min(n, kept)
 
     def peak(self, request: Request) -> int:
-        """Slots the request needs while its prompt is prefilled and compressed."""
+        """Slots the request needs while its prompt is prefilled and compressed: one layer's prompt at a time,
+        or every layer's for a method that plans over all layers before cutting any (a global budget)."""
         n, kept = len(request.tokens), self.kept(request)
-        if kept >= n:
+        if kept >= n or request.method.plans_globally:
             return n * self.per_token
         return kept * self.per_token + (n + kept) * self.num_kv_heads  # one layer's prompt (+ rewritten entries) at a time
 

@@ -67,11 +67,12 @@ class _LayerShim(CacheLayerMixin):
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface entry: a CompressedCache layer if one is pending, else SDPA."""
     pending = module.__dict__.pop("_kvcompress_pending", None)
+    hidden = module.__dict__.pop("_kvcompress_hidden", None)  # the input hook's record: never kept past its forward
     if pending is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cache, layer_idx = pending
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = cache.attend(layer_idx, module, query, key, value, attention_mask, scaling, kwargs.get("position_ids"))
+    out = cache.attend(layer_idx, module, query, key, value, attention_mask, scaling, kwargs.get("position_ids"), hidden)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -116,12 +117,14 @@ class CompressedCache(Cache):
         attention_sums: accumulate every prefill query's attention per entry (H2O scores).
         hidden_stats: keep the per-channel mean and std of each layer's attention input (GVote).
         key_pages: keep each key channel's min and max per page of this many entries (Quest).
+        hidden_states: keep each token's attention input, at prefill and at each step (retention gates).
         pool: the slot pool to hold the entries (default: a private, growable one).
     """
 
     def __init__(self, model, method: Method | None = None, *, compress_on_prefill: bool = True,
                  observation_window: int | None = None, attention_sums: bool | None = None,
-                 hidden_stats: bool | None = None, key_pages: int | None = None, pool: SlotPool | None = None):
+                 hidden_stats: bool | None = None, key_pages: int | None = None, hidden_states: bool | None = None,
+                 pool: SlotPool | None = None):
         method = method if method is not None else get_method("full")
         facts = model_facts(model)
         modules = attention_modules(model)
@@ -135,8 +138,9 @@ class CompressedCache(Cache):
             attention_sums=needs.attention_sums if attention_sums is None else attention_sums,
             hidden_stats=needs.hidden_stats if hidden_stats is None else hidden_stats,
             key_pages=needs.key_pages if key_pages is None else key_pages,
+            hidden_states=needs.hidden_states if hidden_states is None else hidden_states,
         )
-        if observe.hidden_stats:
+        if observe.hidden_stats or observe.hidden_states:
             watch_attention_inputs(modules)
         if pool is None:
             weight = next(model.parameters())
@@ -155,7 +159,8 @@ class CompressedCache(Cache):
         for method in methods:
             needs = needs.union(method.needs())
         return cls(model, compress_on_prefill=False, observation_window=needs.window,
-                   attention_sums=needs.attention_sums, hidden_stats=needs.hidden_stats, key_pages=needs.key_pages)
+                   attention_sums=needs.attention_sums, hidden_stats=needs.hidden_stats, key_pages=needs.key_pages,
+                   hidden_states=needs.hidden_states)
 
     @property
     def method(self) -> Method:
@@ -194,19 +199,21 @@ class CompressedCache(Cache):
         raise NotImplementedError("CompressedCache does not support selecting batch rows.")
 
     # ----- the attention step -------------------------------------------------------------
-    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids) -> torch.Tensor:
-        """Prefill or decode one layer through the session: output [B, Hq, q, d]."""
+    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
+        """Prefill or decode one layer through the session: output [B, Hq, q, d] (``hidden``: the layer's attention
+        input, passed on to a method that needs it)."""
         layer = self.session.layers[layer_idx]
         batch, _, q, _ = query.shape
         seen = 0 if layer is None else layer.seen
         if position_ids is None:
             position_ids = torch.arange(seen, seen + q, device=query.device).expand(batch, q)
         position_ids = position_ids.expand(batch, q)
+        hidden = hidden if self.session.observe.hidden_states else None
         if layer is None:
             stats = module.__dict__.pop("_kvcompress_hidden_stats", None)
             return self.session.prefill(layer_idx, query, key, value, position_ids, scaling, mask=mask,
-                                        token_valid=token_valid_from_mask(mask, batch, q), hidden_stats=stats)
-        out = self.session.decode(layer_idx, query, key, value, position_ids)
+                                        token_valid=token_valid_from_mask(mask, batch, q), hidden_stats=stats, hidden=hidden)
+        out = self.session.decode(layer_idx, query, key, value, position_ids, hidden=hidden)
         if self.recorder is not None:  # diagnose: what this layer saw and answered
             self.recorder[layer_idx] = (query, key, value, position_ids, out)
         return out
@@ -239,7 +246,8 @@ class CompressedCache(Cache):
 
 
 def watch_attention_inputs(modules) -> None:
-    """Hook each attention module once to record the per-channel mean and std of its input at prefill.
+    """Hook each attention module once to record its input: the per-channel mean and std at prefill,
+    and the input itself at every forward (``_kvcompress_hidden``, [B, q, D], for retention gates).
 
     GVote samples future queries from N(mean, std²) of the layer's attention-input hidden
     states (after the input norm); padding tokens are left out of the statistics.
@@ -251,7 +259,8 @@ def watch_attention_inputs(modules) -> None:
 
 def _record_input_stats(module, args, kwargs):
     hidden = kwargs.get("hidden_states", args[0] if args else None)
-    if hidden is None or hidden.shape[1] < 2:  # decoding steps: nothing to record
+    module._kvcompress_hidden = hidden
+    if hidden is None or hidden.shape[1] < 2:  # decoding steps: no statistics
         return None
     valid = token_valid_from_mask(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
     weight = torch.ones(hidden.shape[:2], device=hidden.device) if valid is None else valid.float()

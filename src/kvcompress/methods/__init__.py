@@ -25,11 +25,12 @@ from .momentkv import MomentKV
 from .omnikv import OmniKV
 from .pyramidkv import PyramidKV
 from .quest import Quest
+from .retention import Retention
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O, OmniKV, Quest, KIVI)
+    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O, OmniKV, Quest, KIVI, Retention)
 }
 
 

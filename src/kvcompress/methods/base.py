@@ -45,25 +45,28 @@ PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank b
 @dataclass(frozen=True)
 class Needs:
     """What a method reads from the prefill: the last ``window`` queries, per-entry attention sums,
-    the attention input's per-channel mean and std (``hidden_stats``); and what the store must keep
-    as entries arrive: key bounds per page of ``key_pages`` entries (Quest; 0 = none)."""
+    the attention input's per-channel mean and std (``hidden_stats``), each token's attention input
+    itself, at the prefill and at every decoding step (``hidden_states``: retention gates); and what
+    the store must keep as entries arrive: key bounds per page of ``key_pages`` entries (Quest; 0 = none)."""
 
     window: int = 0
     attention_sums: bool = False
     hidden_stats: bool = False
     key_pages: int = 0
+    hidden_states: bool = False
 
     def union(self, other: Needs) -> Needs:
         """What two methods need together (one shared prefill serving both; pages of the first size
         asked for — a fork wanting another size rebuilds its own)."""
         return Needs(max(self.window, other.window), self.attention_sums or other.attention_sums,
-                     self.hidden_stats or other.hidden_stats, self.key_pages or other.key_pages)
+                     self.hidden_stats or other.hidden_stats, self.key_pages or other.key_pages,
+                     self.hidden_states or other.hidden_states)
 
     def covers(self, other: Needs) -> bool:
         """Whether a prefill that recorded this serves ``other`` (page bounds need no observation: a fork
         builds them from the keys held)."""
         return (self.window >= other.window and (self.attention_sums or not other.attention_sums)
-                and (self.hidden_stats or not other.hidden_stats))
+                and (self.hidden_stats or not other.hidden_stats) and (self.hidden_states or not other.hidden_states))
 
 
 @dataclass

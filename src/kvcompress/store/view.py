@@ -168,7 +168,8 @@ class LayerContext:
     ``tokens_seen`` [B]: real tokens each row has seen so far (the full cache's length).
     ``observations``: what the prefill recorded for scoring (``window_queries`` [B, Hq, w, d],
     ``window_positions`` [B, w], ``attention_sums`` [B, H, L] in the view's layout,
-    ``hidden_mean``/``hidden_std`` [B, D]). ``state``: the method's per-layer state so far
+    ``hidden_mean``/``hidden_std`` [B, D], ``hidden_states`` [B, L, D]; while decoding,
+    ``step_hidden`` [B, q, D], the step's attention input, for methods that need ``hidden_states``). ``state``: the method's per-layer state so far
     (read only: changes go in ``Edit.state``). While decoding, ``query`` [B, Hq, q, d]
     (after RoPE) and ``query_positions`` [B, q] are the step's queries. ``module`` is the
     layer's attention module and ``rotary`` the model's rotary embedding (GVote projects

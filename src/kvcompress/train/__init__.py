@@ -1,0 +1,1 @@
+"""Training what methods learn: retention gates (``retention.py``)."""
