@@ -151,7 +151,7 @@ def cmd_eval(args) -> int:
     predictions.jsonl grows as the run goes and results.json says ``"partial": true`` until the end; Ctrl-C
     writes the partial tables and says so; ``--resume`` finishes such a folder."""
     from .eval import outdir
-    from .eval.runner import EvalSettings, count_runs, method_grid, prediction_record, run_eval
+    from .eval.runner import EvalSettings, count_runs, method_grid, run_eval
     from .eval.tasks import load_task_file
 
     budgets, ratios = _sizes(args)
@@ -176,7 +176,7 @@ def cmd_eval(args) -> int:
 
         def record(prediction) -> None:
             finished.append(prediction)
-            handle.write(json.dumps(prediction_record(prediction), default=str) + "\n")
+            handle.write(_prediction_line(prediction))
             handle.flush()
 
         try:
@@ -193,11 +193,16 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _write_predictions(out: Path, predictions: list) -> None:
-    from .eval import outdir
+def _prediction_line(prediction) -> str:
     from .eval.runner import prediction_record
 
-    outdir.write_text(out / "predictions.jsonl", "".join(json.dumps(prediction_record(p), default=str) + "\n" for p in predictions))
+    return json.dumps(prediction_record(prediction), default=str) + "\n"
+
+
+def _write_predictions(out: Path, predictions: list) -> None:
+    from .eval import outdir
+
+    outdir.write_text(out / "predictions.jsonl", "".join(_prediction_line(p) for p in predictions))
 
 
 def _resumed(out: Path, args, settings: dict) -> dict:

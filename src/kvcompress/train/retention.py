@@ -92,7 +92,6 @@ def training_sequences(tokenizer, settings: RetentionTraining, data: str | None 
         yield from _file_sequences(tokenizer, Path(data), settings)
         return
     from ..eval.tasks import make_task
-    from ..generate import build_prompt
 
     rng = random.Random(settings.seed)
     seed = FIRST_TRAIN_SEED + settings.seed * 100_000
@@ -101,9 +100,15 @@ def training_sequences(tokenizer, settings: RetentionTraining, data: str | None 
         context_tokens = rng.randint(settings.seq_len // 2, settings.seq_len - 64)
         sample = make_task(task, tokenizer, 1, context_tokens, seed=seed)[0]
         seed += 1
-        prompt = build_prompt(tokenizer, sample.context, sample.question)
-        answer = tokenizer(", ".join(sample.answers), add_special_tokens=False).input_ids
-        yield (prompt.ids + answer)[: settings.seq_len]
+        yield _sample_ids(tokenizer, sample, settings.seq_len)
+
+
+def _sample_ids(tokenizer, sample, seq_len: int) -> list[int]:
+    """A task sample as one training sequence: its chat prompt (context, question), then its answers."""
+    from ..generate import build_prompt
+
+    answer = tokenizer(", ".join(sample.answers), add_special_tokens=False).input_ids
+    return (build_prompt(tokenizer, sample.context, sample.question).ids + answer)[:seq_len]
 
 
 def _file_sequences(tokenizer, path: Path, settings: RetentionTraining):
@@ -111,12 +116,8 @@ def _file_sequences(tokenizer, path: Path, settings: RetentionTraining):
         raise FileNotFoundError(f"--data {path}: no such file (a JSONL task file or a plain text file)")
     if path.suffix == ".jsonl":
         from ..eval.tasks import load_task_file
-        from ..generate import build_prompt
 
-        samples = load_task_file(str(path))
-        pieces = [build_prompt(tokenizer, s.context, s.question) for s in samples]
-        sequences = [(p.ids + tokenizer(", ".join(s.answers), add_special_tokens=False).input_ids)[: settings.seq_len]
-                     for p, s in zip(pieces, samples)]
+        sequences = [_sample_ids(tokenizer, s, settings.seq_len) for s in load_task_file(str(path))]
     else:
         ids = tokenizer(path.read_text(), add_special_tokens=False).input_ids
         sequences = [ids[i : i + settings.seq_len] for i in range(0, max(1, len(ids) - 16), settings.seq_len)]
