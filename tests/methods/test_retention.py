@@ -170,5 +170,13 @@ def test_save_load_round_trip_and_clear_errors(model, gates_dir, tmp_path):
     RetentionGates(5, HEADS, HIDDEN).save(other)
     with pytest.raises(ValueError, match="train gates for it"):
         kvc.generate(model, tiny_tokenizer(), _words(60), "w1", kvc.get_method("retention", budget=8, checkpoint=str(other)))
+    from kvcompress.eval.runner import EvalSettings, run_eval
+
+    text = tmp_path / "tasks.jsonl"
+    text.write_text(json.dumps({"id": "a", "context": _words(60), "question": "w1", "answers": ["w2"], "task": "t",
+                                "metric": "contains"}) + "\n")
+    settings = EvalSettings(methods=[f'retention:checkpoint="{other}"'], budgets=[8], tasks=[], task_files=[str(text)])
+    with pytest.raises(ValueError, match="train gates for it"):  # before the first sample runs
+        run_eval(model, tiny_tokenizer(), settings, progress=False, on_prediction=lambda p: pytest.fail("a run started"))
     with pytest.raises(ValueError, match="is not a folder"):
         kvc.get_method("retention", budget=8, checkpoint=str(tmp_path / "missing"))

@@ -102,8 +102,10 @@ class LLM:
         return self._requests.get(request_id)
 
     def check_fits(self, prompt_ids: list[int], sampling_params: SamplingParams, method: Method) -> None:
-        """Refuse a request that could not fit in the pool even alone (a clear error, nothing queued)."""
+        """Refuse a request that could not fit in the pool even alone, or whose method cannot run on this model
+        (a clear error, nothing queued)."""
         check_servable(method)
+        method.check_model(self.model.config)
         probe = Request(-1, list(prompt_ids), sampling_params, method)
         need = self.scheduler.peak(probe) + self.scheduler.growth(probe)
         if need > self.pool.capacity:
@@ -195,6 +197,7 @@ class LLM:
             raise ValueError(f"{len(methods)} methods for {count} prompts: give one method, or one per prompt")
         for m in methods:
             check_servable(m)
+            m.check_model(self.model.config)
         return methods
 
     def check_prompt(self, prompt, params: SamplingParams) -> list[int]:

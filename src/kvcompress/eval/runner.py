@@ -114,6 +114,8 @@ def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True,
     result is the same list, in the same order, as an uninterrupted run's.
     """
     grid = method_grid(settings)
+    for method in grid:  # a method that cannot run on this model fails before the first sample
+        method.check_model(model.config)
     samples = load_samples(settings, tokenizer)
     done = done or {}
     start = time.perf_counter()

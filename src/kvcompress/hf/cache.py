@@ -126,6 +126,7 @@ class CompressedCache(Cache):
                  hidden_stats: bool | None = None, key_pages: int | None = None, hidden_states: bool | None = None,
                  pool: SlotPool | None = None):
         method = method if method is not None else get_method("full")
+        method.check_model(model.config)
         facts = model_facts(model)
         modules = attention_modules(model)
         use_kvcompress_attention(model)
@@ -221,6 +222,7 @@ class CompressedCache(Cache):
     # ----- prefill once, compress many ----------------------------------------------------
     def fork(self, method: Method) -> CompressedCache:
         """A copy of this (uncompressed) cache compressed with ``method``; this cache is untouched."""
+        method.check_model(self._config)
         twin = copy.copy(self)
         twin.session = self.session.fork(method)
         twin.layers = [_LayerShim(twin, i) for i in range(len(self.layers))]

@@ -144,6 +144,10 @@ class Method:
     def needs(self) -> Needs:
         return Needs()
 
+    def check_model(self, config) -> None:
+        """Raise a ValueError naming the fix when this method cannot run on a model of ``config`` (a
+        transformers config; learned methods check their checkpoint's shape). Called before any work."""
+
     @property
     def plans_globally(self) -> bool:
         """True when sizes are chosen across layers: the session calls ``plan`` once every layer is observed."""

@@ -127,6 +127,9 @@ class Retention(ScoreMethod):
     def gates(self) -> RetentionGates:
         return RetentionGates.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / "smollm2-135m-instruct")
 
+    def check_model(self, config) -> None:
+        self._gates_for(config.num_hidden_layers, config.num_key_value_heads, config.hidden_size)
+
     def _gates_for(self, layers: int, heads: int, hidden: int) -> RetentionGates:
         """The gates, checked against the model they score for."""
         if self.checkpoint is None and not (SHIPPED / "smollm2-135m-instruct").is_dir():

@@ -151,6 +151,10 @@ def _prompt_ids(llm: LLM, parsed: protocol.Parsed, limits: Limits) -> list[int]:
         raise APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}",
                        "messages" if parsed.messages is not None else "prompt")
     try:
+        parsed.method.check_model(llm.model.config)  # e.g. retention gates trained for another model
+    except ValueError as error:
+        raise APIError(400, f"kv_compression: {error}", "kv_compression") from None
+    try:
         llm.check_fits(ids, parsed.params, parsed.method)
     except ValueError as error:
         raise APIError(400, str(error), "max_tokens") from None
