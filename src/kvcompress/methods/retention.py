@@ -153,8 +153,6 @@ class Retention(ScoreMethod):
     def _prefill_log_beta(self, view: KVView, context: LayerContext) -> torch.Tensor:
         hidden = context.observations.get("hidden_states")
         if hidden is None:
-            if LOG_BETA in view.channels:
-                return view.channels[LOG_BETA]
             raise ValueError("retention needs each token's attention input; build the cache with hidden_states=True "
                              "(CompressedCache(model, method) and CompressedCache.shared(...) do)")
         b, h, length = view.shape
