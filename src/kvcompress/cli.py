@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -440,11 +439,8 @@ def cmd_train(args) -> int:
         raise FileNotFoundError(f"--data {args.data}: no such file (a JSONL task file or a plain text file)")
     out = Path(args.out)
     outdir.check_out(out, overwrite=args.overwrite, resume=(out / "run.json").is_file())
-    if args.overwrite:
-        for name in ("run.json", "state.pt", "model.safetensors", "config.json"):
-            (out / name).unlink(missing_ok=True)
-        shutil.rmtree(out / "steps", ignore_errors=True)
     model, tokenizer = _load(args)
+    outdir.start(out, "train", overwrite=args.overwrite)
     final = train_retention(model, tokenizer, out, settings, data=args.data, model_name=_model_name(args), progress=not args.quiet)
     print(f"retention gates in {out}/ (model.safetensors, config.json); final losses {final}; "
           f"use them with --methods 'retention:checkpoint=\"{out}\"'")

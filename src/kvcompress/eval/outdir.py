@@ -15,6 +15,7 @@ complete (``eval/runner.py`` appends predictions.jsonl as it goes, so ``--resume
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 OUTPUTS = {
@@ -23,6 +24,7 @@ OUTPUTS = {
     "report": ("results.json", "results.md", "accuracy_vs_kr.png", "accuracy_vs_cr.png", "accuracy_vs_kr_by_task.png"),
     "diagnose": ("diagnose.json", "diagnose.md", "error_per_layer.png"),
     "bench": ("bench.json",),
+    "train": ("run.json", "state.pt", "model.safetensors", "config.json", "steps"),
 }
 
 
@@ -49,11 +51,15 @@ def check_out(out: Path, *, overwrite: bool = False, resume: bool = False) -> Pa
 
 
 def start(out: Path, verb: str, *, overwrite: bool = False) -> None:
-    """Make ``out``; with ``overwrite``, remove the old result files of ``verb`` (only those)."""
+    """Make ``out``; with ``overwrite``, remove the old result files and folders of ``verb`` (only those)."""
     out.mkdir(parents=True, exist_ok=True)
     if overwrite:
         for name in OUTPUTS[verb]:
-            (out / name).unlink(missing_ok=True)
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def _temporary(path: Path | str) -> Path:
