@@ -30,10 +30,33 @@ def tiny_gates(model) -> str:
     return _GATES[dims]
 
 
+_CODECS: dict[tuple, str] = {}
+
+
+def tiny_codec(model, full_layers: tuple[int, ...] = ()) -> str:
+    """A folder of an untrained DeltaKV codec fitting ``model`` (hidden width 16, a random decoder so that
+    codes matter), made once per shape."""
+    import tempfile
+
+    from kvcompress.store.deltakv import DeltaKVWeights
+
+    config = model.config
+    dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim, full_layers)
+    if dims not in _CODECS:
+        _CODECS[dims] = tempfile.mkdtemp(prefix="kvcompress-deltakv-")
+        weights = DeltaKVWeights(*dims[:3], model.model.rotary_emb.inv_freq, hidden=16, seed=1)
+        with torch.no_grad():
+            weights.decoder.copy_(torch.randn(weights.decoder.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+        weights.save(_CODECS[dims], model="tiny", full_layers=list(full_layers))
+    return _CODECS[dims]
+
+
 def tiny_method(name: str, model, **options):
-    """``get_method``, with gates that fit ``model`` for a method that learns them (retention)."""
+    """``get_method``, with learned parts that fit ``model`` for a method that learns them (retention, deltakv)."""
     if name == "retention" and "checkpoint" not in options:
         options["checkpoint"] = tiny_gates(model)
+    if name == "deltakv" and "checkpoint" not in options:
+        options["checkpoint"] = tiny_codec(model)
     return get_method(name, **options)
 
 

@@ -428,23 +428,41 @@ def cmd_serve(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Train what a method learns (retention gates) on the frozen model → --out/model.safetensors + config.json;
-    a folder with an unfinished run of the same settings is resumed."""
+    """Train what a method learns (retention gates, DeltaKV's codec) on the frozen model → --out/model.safetensors
+    + config.json; a folder with an unfinished run of the same settings is resumed."""
     from .eval import outdir
-    from .train.retention import RetentionTraining, train_retention
 
-    settings = RetentionTraining(steps=args.steps, seq_len=args.seq_len, budget=args.budget, width=args.width, lr=args.lr,
-                                 capacity=args.capacity, next_token=args.next_token, seed=args.seed, save_every=args.save_every)
     if args.data is not None and not Path(args.data).is_file():
         raise FileNotFoundError(f"--data {args.data}: no such file (a JSONL task file or a plain text file)")
+    run = _training_run(args)
     out = Path(args.out)
     outdir.check_out(out, overwrite=args.overwrite, resume=(out / "run.json").is_file())
     model, tokenizer = _load(args)
     outdir.start(out, "train", overwrite=args.overwrite)
-    final = train_retention(model, tokenizer, out, settings, data=args.data, model_name=_model_name(args), progress=not args.quiet)
-    print(f"retention gates in {out}/ (model.safetensors, config.json); final losses {final}; "
-          f"use them with --methods 'retention:checkpoint=\"{out}\"'")
+    final = run(model, tokenizer, out)
+    use = "retention" if args.what == "retention" else "deltakv"
+    print(f"{args.what} checkpoint in {out}/ (model.safetensors, config.json); final losses {final}; "
+          f"use it with --methods '{use}:checkpoint=\"{out}\"'")
     return 0
+
+
+def _training_run(args):
+    """The training ``args`` ask for, checked before the model loads: a function (model, tokenizer, out) → losses."""
+    given = dict(steps=args.steps, lr=args.lr, next_token=args.next_token)  # None: the trained part's default
+    common = dict(seq_len=args.seq_len, seed=args.seed, save_every=args.save_every) | {k: v for k, v in given.items() if v is not None}
+    name = _model_name(args)
+    if args.what == "retention":
+        from .train.retention import RetentionTraining, train_retention
+
+        settings = RetentionTraining(**common, budget=args.budget, width=args.width, capacity=args.capacity)
+        return lambda model, tokenizer, out: train_retention(model, tokenizer, out, settings, data=args.data,
+                                                             model_name=name, progress=not args.quiet)
+    from .train.deltakv import DeltaKVTraining, train_deltakv
+
+    settings = DeltaKVTraining(**common, hidden=args.hidden, mse=args.mse, kl=args.kl)
+    full_layers = tuple(int(x) for x in args.full_layers.split(",") if x.strip()) if args.full_layers else ()
+    return lambda model, tokenizer, out: train_deltakv(model, tokenizer, out, settings, data=args.data, model_name=name,
+                                                       full_layers=full_layers, progress=not args.quiet)
 
 
 def cmd_methods(args) -> int:
@@ -623,21 +641,28 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000, help="default: 8000")
     sv.set_defaults(func=cmd_serve)
 
-    t = sub.add_parser("train", formatter_class=_Help, help="train retention gates on the frozen model")
-    t.add_argument("what", choices=["retention"], help="what to train")
+    t = sub.add_parser("train", formatter_class=_Help, help="train retention gates or DeltaKV's codec on the frozen model")
+    t.add_argument("what", choices=["retention", "deltakv"], help="what to train")
     common(t)
     t.add_argument("--out", required=True, help="folder for model.safetensors + config.json (an unfinished run there resumes)")
     t.add_argument("--overwrite", action="store_true", help="start again in a folder that holds a run")
-    t.add_argument("--steps", type=_count, default=800, help="optimizer steps, one sequence each")
+    t.add_argument("--steps", type=_count, default=None, help="optimizer steps, one sequence each (default: 800 retention, "
+                   "1000 deltakv)")
     t.add_argument("--seq-len", type=_count, default=512, help="tokens per training sequence")
-    t.add_argument("--budget", type=_count, default=128, help="entries per KV head in the capacity term (× layers × KV heads)")
-    t.add_argument("--width", type=_count, default=16, help="gate MLP width")
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--capacity", type=float, default=1.0, help="weight of the capacity loss")
-    t.add_argument("--next-token", type=float, default=0.0, help="weight of the next-token loss")
-    t.add_argument("--save-every", type=_count, default=100, help="steps between saved states (and gate snapshots in steps/)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 retention, 1e-3 deltakv)")
+    t.add_argument("--next-token", type=float, default=None, help="weight of the next-token loss (default: 0)")
+    t.add_argument("--save-every", type=_count, default=100, help="steps between saved states (and snapshots in steps/)")
     t.add_argument("--data", default=None, help="a JSONL task file or a text file (default: sequences from the built-in "
                    "task generators at seeds the eval never uses)")
+    r = t.add_argument_group("retention")
+    r.add_argument("--budget", type=_count, default=128, help="entries per KV head in the capacity term (× layers × KV heads)")
+    r.add_argument("--width", type=_count, default=16, help="gate MLP width")
+    r.add_argument("--capacity", type=float, default=1.0, help="weight of the capacity loss")
+    d = t.add_argument_group("deltakv")
+    d.add_argument("--hidden", type=_count, default=128, help="the compressor's hidden width d_h")
+    d.add_argument("--mse", type=float, default=1.0, help="weight of the relative reconstruction error")
+    d.add_argument("--kl", type=float, default=1.0, help="weight of KL(full ‖ reconstructed) next-token distributions")
+    d.add_argument("--full-layers", default="0", help="layers deltakv leaves uncoded by default, comma-separated")
     t.set_defaults(func=cmd_train)
 
     m = sub.add_parser("methods", formatter_class=_Help, help="list the methods")

@@ -175,9 +175,8 @@ class Session:
             if edit is not None:
                 self.apply(i, edit)
             self.layers[i].observations = {}
-        if self.code_tier:
-            self.table.code(self.pool, self.code_tier, self.code_recent,
-                            slice(min(indices) * self.batch_size, (max(indices) + 1) * self.batch_size))
+        for i in indices if self.code_tier else ():
+            self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(i), layer=i)
         if indices[-1] == self.num_layers - 1:
             self.table.shrink()  # the prompt is compressed: give back the table's room for it
         self.timings["compress_s"] += time.perf_counter() - start
@@ -238,8 +237,8 @@ class Session:
         layer.tokens_seen = layer.tokens_seen + key.shape[2]
         if self.code_tier:
             layer.uncoded += key.shape[2]
-            if layer.uncoded >= self.pool.tiers[self.code_tier - 1].codec.block_size:  # a block's worth: code it
-                self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(layer_idx))
+            if layer.uncoded >= self.pool.tiers[self.code_tier - 1].codec.chunk:  # a chunk's worth: code it
+                self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(layer_idx), layer=layer_idx)
                 layer.uncoded = 0
 
     def wants_col_sums(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:

@@ -253,8 +253,8 @@ class LLM:
 
 def check_servable(method: Method) -> None:
     """The engine's fixed pool admits requests by plain slots: coded storage is not served yet."""
-    if method.storage() is not None:
-        raise ValueError(f"{method.label}: coded storage (kivi, codec=) is not in the engine yet; "
+    if method.codec is not None or type(method).storage is not Method.storage:
+        raise ValueError(f"{method.label}: coded storage (kivi, deltakv, codec=) is not in the engine yet; "
                          "use kvc.generate, eval or bench without --engine for it")
 
 

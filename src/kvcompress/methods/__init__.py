@@ -16,6 +16,7 @@ from .adakv import AdaKV
 from .base import Method, Needs, ScoreMethod
 from .cam import CaM
 from .d2o import D2O
+from .deltakv import DeltaKV
 from .full import Full
 from .gvote import GVote
 from .h2o import H2O
@@ -30,7 +31,7 @@ from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O, OmniKV, Quest, KIVI, Retention)
+    cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O, OmniKV, Quest, KIVI, DeltaKV, Retention)
 }
 
 

@@ -87,10 +87,11 @@ class Method:
     needs_budget: ClassVar[bool] = True
     sizes_itself: ClassVar[str] = ""  # why a method without a budget takes no size (needs_budget False)
     acts_while_decoding: ClassVar[bool] = False  # decode_step is called after every decoding step
+    keeps_every_entry: ClassVar[bool] = False  # nothing is ever evicted (selection and coding methods)
 
     def __post_init__(self) -> None:
         if self.codec is not None:
-            self.storage()  # an unusable codec fails here, not at the first prefill
+            self.coder()  # an unusable codec fails here, not at the first prefill
         if not self.needs_budget:
             if self.budget is not None or self.ratio is not None:
                 raise ValueError(f"{self.name} takes no size: {self.sizes_itself}; do not give budget= or ratio=")
@@ -130,6 +131,11 @@ class Method:
     def storage(self, dtype: torch.dtype = torch.float32) -> tuple[Codec, int] | None:
         """How held entries are stored for a model of ``dtype``: (the codec, each head's newest entries kept
         plain), or None for plain storage (``codec``)."""
+        coder = self.coder()
+        return None if coder is None else coder.storage(dtype)
+
+    def coder(self) -> Method | None:
+        """The coding method named by ``codec`` (None: plain storage), checked."""
         if self.codec is None:
             return None
         if not isinstance(self.codec, str):
@@ -138,8 +144,12 @@ class Method:
 
         coder = method_from_spec(self.codec)
         if type(coder).storage is Method.storage:
-            raise ValueError(f"codec={self.codec!r} is not a codec; coding methods: kivi")
-        return coder.storage(dtype)
+            raise ValueError(f"codec={self.codec!r} is not a codec; coding methods: kivi, deltakv")
+        if coder.name == "deltakv" and not self.keeps_every_entry:
+            raise ValueError(f"{self.name} evicts entries head by head, and deltakv codes a token over every KV head at "
+                             "once: use codec=\"kivi\" with it, or deltakv with a method that keeps every entry "
+                             "(omnikv, quest)")
+        return coder
 
     def needs(self) -> Needs:
         return Needs()
@@ -147,6 +157,9 @@ class Method:
     def check_model(self, config) -> None:
         """Raise a ValueError naming the fix when this method cannot run on a model of ``config`` (a
         transformers config; learned methods check their checkpoint's shape). Called before any work."""
+        coder = self.coder()
+        if coder is not None:
+            coder.check_model(config)
 
     @property
     def plans_globally(self) -> bool:

@@ -15,4 +15,5 @@ class Full(Method):
     name: ClassVar[str] = "full"
     paper: ClassVar[str] = "—"
     needs_budget: ClassVar[bool] = False
+    keeps_every_entry: ClassVar[bool] = True
     sizes_itself: ClassVar[str] = "it keeps every entry"

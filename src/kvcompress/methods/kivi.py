@@ -35,6 +35,7 @@ class KIVI(Method):
     name: ClassVar[str] = "kivi"
     paper: ClassVar[str] = "Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"
     needs_budget: ClassVar[bool] = False
+    keeps_every_entry: ClassVar[bool] = True
     sizes_itself: ClassVar[str] = "it keeps every entry, and its bits set the bytes held"
 
     def __post_init__(self) -> None:

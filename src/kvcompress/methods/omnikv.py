@@ -48,6 +48,7 @@ class OmniKV(Method):
     recent: int = 32
 
     name: ClassVar[str] = "omnikv"
+    keeps_every_entry: ClassVar[bool] = True
     paper: ClassVar[str] = "Hao et al. 2025, OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs (seeds/004)"
 
     def __post_init__(self) -> None:

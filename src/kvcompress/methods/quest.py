@@ -57,6 +57,7 @@ class Quest(Method):
     compress_with: str | None = None
 
     name: ClassVar[str] = "quest"
+    keeps_every_entry: ClassVar[bool] = True
     paper: ClassVar[str] = "Tang et al. 2024, Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"
 
     def __post_init__(self) -> None:

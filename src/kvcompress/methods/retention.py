@@ -128,6 +128,7 @@ class Retention(ScoreMethod):
         return RetentionGates.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / "smollm2-135m-instruct")
 
     def check_model(self, config) -> None:
+        super().check_model(config)
         self._gates_for(config.num_hidden_layers, config.num_key_value_heads, config.hidden_size)
 
     def _gates_for(self, layers: int, heads: int, hidden: int) -> RetentionGates:

@@ -11,6 +11,9 @@ so coded storage plugs in here without special cases elsewhere.
   a block of ``group_size`` entries, values per entry over groups of ``group_size`` channels,
   ``bits`` = 2 or 4, asymmetric (a zero point and a scale per group, stored as 16-bit
   floats). Codes are packed ``8 / bits`` to a byte.
+* DeltaKV's codec (``store/deltakv.py``): a block is one token over every KV head, coded against
+  its nearest reference tokens; it codes tokens itself (``code_rows``) and keeps its references
+  in a tier of their own.
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ Fields = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class Codec(Protocol):
+    """What the pool asks of a codec. A codec that codes a token over every KV head at once (DeltaKV)
+    has no ``encode``: it codes a table's entries itself (``code_rows``), may make tiers of its own
+    when its tier is made (``attach``) and name what a freed block held (``dependencies``)."""
+
     name: str
-    block_size: int  # entries of one KV head per block
+    key: str  # codecs with the same key store entries the same way (they share a pool tier)
+    block_size: int  # entries per block
+    chunk: int  # new entries per head between two coding passes while decoding
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
         """Per-block arrays: name → (shape of one block's row, dtype)."""
@@ -42,8 +51,8 @@ class Codec(Protocol):
 class PlainCodec:
     """Keys and values stored as they are (in the pool's dtype), one entry per block."""
 
-    name = "plain"
-    block_size = 1
+    name = key = "plain"
+    block_size = chunk = 1
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
         return {"keys": ((head_dim,), dtype), "values": ((head_dim,), dtype)}
@@ -84,6 +93,11 @@ class KiviCodec:
     def key(self) -> str:
         """Codecs with the same key store entries the same way (they share a pool tier)."""
         return f"kivi:{self.bits}:{self.group_size}:{self.param_dtype}"
+
+    @property
+    def chunk(self) -> int:
+        """New entries per head between two coding passes while decoding: a block's worth."""
+        return self.block_size
 
     @property
     def levels(self) -> int:

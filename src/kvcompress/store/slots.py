@@ -136,7 +136,10 @@ class SlotPool:
         if len(self.tiers) == MAX_TIERS:
             raise ValueError(f"a pool holds at most {MAX_TIERS} codecs at once")
         self.tiers.append(SlotPool(self.head_dim, dtype=self.dtype, device=self.device, codec=codec, initial=64))
-        return len(self.tiers)
+        tier = len(self.tiers)
+        if hasattr(codec, "attach"):  # a codec with tiers of its own beside it (DeltaKV's references)
+            codec.attach(self)
+        return tier
 
     @_plain_tensors
     def encode(self, tier: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -175,9 +178,12 @@ class SlotPool:
 
     @_plain_tensors
     def release(self, slots: torch.Tensor) -> None:
-        """One holder fewer for each of ``slots`` (entry ids); slots and blocks nobody holds are free again."""
-        for store, index in self._by_tier(slots):
-            store._let_go(index)
+        """One holder fewer for each of ``slots`` (entry ids); slots and blocks nobody holds are free again, and
+        let go of what freed coded blocks held (DeltaKV's references)."""
+        for store, index in list(self._by_tier(slots)):
+            freed = store._let_go(index)
+            if freed.numel() and hasattr(store.codec, "dependencies"):
+                self.release(store.codec.dependencies(store.arrays, freed))
 
     def _by_tier(self, ids: torch.Tensor):
         """(pool, its slots or blocks [n] int64 on the CPU) for the entry ids [...]: one pair per tier they use."""
@@ -192,9 +198,10 @@ class SlotPool:
             if local.numel():
                 yield store, (local & ENTRY_MASK) // store.codec.block_size
 
-    def _let_go(self, index: torch.Tensor) -> None:
+    def _let_go(self, index: torch.Tensor) -> torch.Tensor:
+        """One holder fewer for each slot of ``index``: the slots freed."""
         if index.numel() == 0:
-            return
+            return index
         self.refs.index_add_(0, index, torch.full_like(index, -1, dtype=torch.int32))
         counts = self.refs[index]
         if bool(((counts < 0) | (index == PAD_SLOT)).any()):
@@ -202,6 +209,7 @@ class SlotPool:
         freed = torch.unique(index[counts == 0])
         self._free[self._top : self._top + freed.numel()] = freed
         self._top += freed.numel()
+        return freed
 
     def _grow(self, needed: int, factor: float = 1.5) -> None:
         old = self.refs.shape[0]
@@ -579,13 +587,20 @@ class SlotTable:
                 self._refresh_pages(pool, rows, int(dropped[0]))
 
     @_plain_tensors
-    def code(self, pool: SlotPool, tier: int, recent: int, rows: Rows = None) -> int:
+    def code(self, pool: SlotPool, tier: int, recent: int, rows: Rows = None, layer: int = -1) -> int:
         """Move plain entries of ``rows`` into ``tier``'s codec, in blocks of consecutive entries of one head,
         oldest first; each head's ``recent`` newest entries (and what falls short of a block) stay plain.
         Returns the entries coded. New blocks are written and the plain slots let go, so forks sharing
-        them are untouched."""
+        them are untouched. A codec that codes a token over every head at once (``code_rows``: DeltaKV) does
+        the coding itself, for rows of one ``layer``."""
         rows = _all(rows)
-        size = pool.tiers[tier - 1].codec.block_size
+        codec = pool.tiers[tier - 1].codec
+        if hasattr(codec, "code_rows"):
+            coded = codec.code_rows(self, pool, tier, recent, rows, layer)
+            if coded and self.page_size:
+                self._refresh_pages(pool, rows)
+            return coded
+        size = codec.block_size
         longest, _ = self.span(rows)
         slots = self.ids[rows, :, :longest, 0]  # a view: written below
         columns = torch.arange(longest, device=self.device)

@@ -1,0 +1,96 @@
+"""DeltaKV: every token kept, most of them as small residual codes against their nearest reference
+tokens (Sparse-vLLM / DeltaKV, seed 004; METHODS.md "DeltaKV"; the codec is ``store/deltakv.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from ..store.deltakv import DeltaKVCodec, DeltaKVWeights
+from .base import Method
+
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "deltakv"  # one folder per model with a shipped checkpoint
+EMBEDDED = "smollm2-135m-instruct"
+
+
+@dataclass
+class DeltaKV(Method):
+    """DeltaKV (seed 004): references every ``stride`` tokens and the sinks stay raw; every other token
+    keeps z = f_c(x) − f_c(mean of its 4 nearest earlier references) of a quarter of the token's width
+    and is rebuilt as f_d(z) + mean on read (RoPE re-applied); the newest tokens stay raw and are coded
+    ``chunk`` at a time (METHODS.md "DeltaKV"). Nothing is evicted: kr falls with the stride and the
+    code width, cr stays 1. As ``codec="deltakv"`` of a method that keeps every entry (OmniKV, Quest),
+    only the entries that method reads are rebuilt.
+
+    Options:
+        checkpoint: a folder from ``kvcompress train deltakv`` (None: the one shipped for the embedded model).
+        bits: None keeps codes in the model's dtype (the paper's accounting); 4 stores each token's code in
+            4 bits with a 16-bit zero point and scale.
+        full_layers: layers left uncoded (the paper's hybrid layers; None: the checkpoint's choice).
+        recent: newest tokens per layer kept raw (32).
+        chunk: new tokens between two coding passes while decoding (32).
+
+    It takes no ``budget``/``ratio``: the stride, the code width and the hybrid layers set its size.
+    """
+
+    checkpoint: str | None = None
+    bits: int | None = None
+    full_layers: tuple[int, ...] | None = None
+    recent: int = 32
+    chunk: int = 32
+
+    name: ClassVar[str] = "deltakv"
+    paper: ClassVar[str] = "DeltaKV: residual-based KV cache compression (with Sparse-vLLM, seeds/004)"
+    needs_budget: ClassVar[bool] = False
+    keeps_every_entry: ClassVar[bool] = True
+    sizes_itself: ClassVar[str] = "it keeps every token, and its stride and code width set the bytes held"
+
+    def __post_init__(self) -> None:
+        if self.codec is not None:
+            raise ValueError("deltakv is a codec itself: give its options directly (deltakv:bits=4), not codec=")
+        super().__post_init__()
+        if self.bits not in (None, 4):
+            raise ValueError(f"deltakv: bits must be None (codes in the model's dtype) or 4, got {self.bits!r}")
+        if self.recent < 0 or self.chunk < 1:
+            raise ValueError(f"deltakv: recent must be ≥ 0 and chunk ≥ 1, got recent={self.recent}, chunk={self.chunk}")
+        if self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_dir():
+            raise ValueError(f"deltakv: checkpoint {self.checkpoint!r} is not a folder; give the --out of "
+                             "`kvcompress train deltakv`")
+
+    @cached_property
+    def weights(self) -> DeltaKVWeights:
+        if self.checkpoint is None and not (SHIPPED / EMBEDDED).is_dir():
+            raise ValueError("deltakv: no checkpoint shipped in this install; train one with `kvcompress train deltakv "
+                             "--out DIR` and pass checkpoint=DIR")
+        return DeltaKVWeights.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / EMBEDDED)
+
+    @cached_property
+    def default_full_layers(self) -> tuple[int, ...]:
+        import json
+
+        folder = Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / EMBEDDED
+        return tuple(json.loads((folder / "config.json").read_text()).get("full_layers", ()))
+
+    def check_model(self, config) -> None:
+        dims = self.weights.dims
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        ours = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+        if (dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]) != ours:
+            where = self.checkpoint or "the shipped checkpoint (the embedded SmolLM2-135M-Instruct)"
+            raise ValueError(f"deltakv: {where} codes {dims['num_layers']} layers × {dims['num_kv_heads']} KV heads × head dim "
+                             f"{dims['head_dim']}, this model has {ours[0]} × {ours[1]} × {ours[2]}; train a codec for it with "
+                             "`kvcompress train deltakv --model M --out DIR` and pass checkpoint=DIR")
+        bad = [layer for layer in self.layers_left_full() if not 0 <= layer < ours[0]]
+        if bad:
+            raise ValueError(f"deltakv: full_layers {bad} are not layers of this {ours[0]}-layer model")
+
+    def layers_left_full(self) -> tuple[int, ...]:
+        return tuple(self.full_layers) if self.full_layers is not None else self.default_full_layers
+
+    def storage(self, dtype: torch.dtype = torch.float32) -> tuple[DeltaKVCodec, int]:
+        """DeltaKV's codec and its raw recent tokens."""
+        return DeltaKVCodec(self.weights, self.bits, self.layers_left_full(), self.chunk), self.recent

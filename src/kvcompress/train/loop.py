@@ -1,0 +1,160 @@
+"""What every training run shares: its data, its schedule, and a resumable loop with snapshots.
+
+Data: sequences the project generates — its built-in tasks (needles, variables, common words
+hidden in its own prose) at seeds the evaluation never uses, with their answers — or a file
+(``--data``: a JSONL task file or plain text cut into ``seq_len`` tokens). A run is deterministic
+for a seed and resumable: ``--out`` keeps ``state.pt`` (parameters, optimizer, step, losses)
+every ``save_every`` steps, a later call with the same folder and settings continues from there
+(``run.json`` records them; other settings are refused), and the parameters of those steps stay in
+``steps/NNNNNN/`` (a held-out score against training steps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+TRAIN_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
+FIRST_TRAIN_SEED = 1000  # eval samples use seeds 0..; training never sees them
+GENERATED_DATA = ("generated: the built-in tasks niah_single, niah_multikey, niah_multivalue, vt, cwe in the project's own "
+                  f"prose (kvcompress/data/haystack.txt) at seeds from {FIRST_TRAIN_SEED} on, with their answers; "
+                  "contexts of seq_len/2 to seq_len−64 tokens")
+
+
+def training_sequences(tokenizer, seq_len: int, seed: int, data: str | None = None) -> Iterator[list[int]]:
+    """An endless, seeded stream of token id lists of at most ``seq_len`` tokens (see the module docstring)."""
+    if data is not None:
+        yield from _file_sequences(tokenizer, Path(data), seq_len, seed)
+        return
+    from ..eval.tasks import make_task
+
+    rng = random.Random(seed)
+    sample_seed = FIRST_TRAIN_SEED + seed * 100_000
+    while True:
+        task = rng.choice(TRAIN_TASKS)
+        context_tokens = rng.randint(seq_len // 2, seq_len - 64)
+        sample = make_task(task, tokenizer, 1, context_tokens, seed=sample_seed)[0]
+        sample_seed += 1
+        yield _sample_ids(tokenizer, sample, seq_len)
+
+
+def _sample_ids(tokenizer, sample, seq_len: int) -> list[int]:
+    """A task sample as one training sequence: its chat prompt (context, question), then its answers."""
+    from ..generate import build_prompt
+
+    answer = tokenizer(", ".join(sample.answers), add_special_tokens=False).input_ids
+    return (build_prompt(tokenizer, sample.context, sample.question).ids + answer)[:seq_len]
+
+
+def _file_sequences(tokenizer, path: Path, seq_len: int, seed: int) -> Iterator[list[int]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file (a JSONL task file or a plain text file)")
+    if path.suffix == ".jsonl":
+        from ..eval.tasks import load_task_file
+
+        sequences = [_sample_ids(tokenizer, s, seq_len) for s in load_task_file(str(path))]
+    else:
+        ids = tokenizer(path.read_text(), add_special_tokens=False).input_ids
+        sequences = [ids[i : i + seq_len] for i in range(0, max(1, len(ids) - 16), seq_len)]
+    sequences = [s for s in sequences if len(s) >= 16]
+    if not sequences:
+        raise ValueError(f"--data {path}: no sequence of at least 16 tokens in it")
+    rng = random.Random(seed)
+    while True:
+        yield rng.choice(sequences)
+
+
+def warmup_cosine(steps: int, warmup: float) -> Callable[[int], float]:
+    """The learning-rate factor: linear warm-up over ``warmup`` of the steps, then cosine decay to 0."""
+    warm = max(1, int(steps * warmup))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, steps - warm)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def fit(model, module: torch.nn.Module, losses: Callable[[torch.Tensor], dict], out: Path, settings: dict, *,
+        tokenizer, data: str | None, steps: int, seq_len: int, seed: int, lr: float, warmup: float, save_every: int,
+        save: Callable[[Path, dict], None], what: str, shown: tuple[str, ...], progress: bool = True,
+        parameters: list | None = None) -> tuple[list[dict], float]:
+    """Train ``module``'s parameters (or ``parameters``) on the frozen ``model`` with AdamW, minimizing
+    ``losses(ids)["loss"]`` one sequence per step; ``save(folder, about)`` writes a snapshot every
+    ``save_every`` steps. Resumes from ``out``/state.pt (``settings`` must equal the run's). Returns the
+    loss history and the seconds this call trained."""
+    out.mkdir(parents=True, exist_ok=True)
+    params = parameters if parameters is not None else [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, warmup))
+    start, history = _resume(out, module, optimizer, schedule, {**settings, "data": data})
+    stream = training_sequences(tokenizer, seq_len, seed, data)
+    for _ in range(start):  # the same sequences as an uninterrupted run
+        next(stream)
+    model.requires_grad_(False).eval()
+    began = time.perf_counter()
+    bar = tqdm(range(start, steps), desc=f"train {what}", disable=not progress, initial=start, total=steps)
+    for step in bar:
+        ids = torch.tensor([next(stream)], device=model.device)
+        parts = losses(ids)
+        optimizer.zero_grad()
+        parts["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        record = {k: round(float(v.detach()), 6) for k, v in parts.items()} | {"step": step + 1}
+        history.append(record)
+        bar.set_postfix({k: f"{record[k]:.4f}" for k in shown})
+        if (step + 1) % save_every == 0 or step + 1 == steps:
+            _save_state(out, module, optimizer, schedule, step + 1, history)
+            save(out / "steps" / f"{step + 1:06d}", {"step": step + 1})  # for a score-vs-steps curve
+    return history, time.perf_counter() - began
+
+
+def _save_state(out: Path, module, optimizer, schedule, step: int, history: list) -> None:
+    state = {"module": module.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+             "step": step, "history": history}
+    tmp = out / ".state.partial.pt"
+    torch.save(state, tmp)
+    tmp.replace(out / "state.pt")
+
+
+def _resume(out: Path, module, optimizer, schedule, ours: dict) -> tuple[int, list]:
+    """(the step to start from, the losses so far): 0 for a new run (``run.json`` records its settings), else
+    where ``state.pt`` left off — refused when the folder's run had other settings."""
+    run = out / "run.json"
+    if run.is_file():
+        saved = json.loads(run.read_text())
+        differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k) and k != "save_every")
+        if differing:
+            raise ValueError(f"{out} holds a run with other {', '.join(differing)}; resume with the flags that made it, "
+                             "or train into a new --out")
+    else:
+        run.write_text(json.dumps(ours, indent=2) + "\n")
+    path = out / "state.pt"
+    if not path.is_file():
+        return 0, []
+    state = torch.load(path, weights_only=False)
+    module.load_state_dict(state["module"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    return state["step"], state["history"]
+
+
+def mean_tail(history: list, last: int = 20) -> dict:
+    """The mean of every loss over the last ``last`` steps."""
+    tail = history[-last:]
+    keys = [k for k in (tail[0] if tail else {}) if k != "step"]
+    return {k: round(sum(r[k] for r in tail) / len(tail), 6) for k in keys}
+
+
+__all__ = ["FIRST_TRAIN_SEED", "GENERATED_DATA", "TRAIN_TASKS", "fit", "mean_tail", "training_sequences", "warmup_cosine"]

@@ -1,0 +1,193 @@
+"""DeltaKV's codec: RoPE undone and redone, nearest references against a brute-force reference, references
+stored exactly, coded tokens equal to a float32 re-computation of x̂ = f_d(z) + m, 4-bit codes within their
+step, save → load exact, and no slot or reference leaked under random coding, forks and releases."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from common import tiny_model
+from kvcompress.store.deltakv import (DeltaKVCodec, DeltaKVWeights, nearest_references, reference_mask, rope,
+                                      split_vectors, token_vectors)
+from kvcompress.store.slots import SlotPool, SlotTable
+
+H, D = 2, 16
+
+
+def _weights(seed: int = 0, **kw) -> DeltaKVWeights:
+    model = tiny_model(layers=2)
+    weights = DeltaKVWeights(2, H, D, model.model.rotary_emb.inv_freq, hidden=8, seed=seed, **kw)
+    with torch.no_grad():
+        weights.decoder.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+        weights.scale.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(seed + 1))
+    return weights.eval().requires_grad_(False)
+
+
+def test_rope_matches_transformers_and_its_inverse_undoes_it():
+    model = tiny_model(layers=1)
+    keys = torch.randn(1, H, 12, D)
+    positions = torch.arange(5, 17)[None]
+    cos, sin = model.model.rotary_emb(keys, positions)
+    _, expected = apply_rotary_pos_emb(keys, keys, cos, sin)
+    ours = rope(keys, positions[:, None], model.model.rotary_emb.inv_freq)
+    assert torch.allclose(ours, expected, atol=1e-5)
+    assert torch.allclose(rope(ours, positions[:, None], model.model.rotary_emb.inv_freq, inverse=True), keys, atol=1e-5)
+    x = token_vectors(ours, keys * 2, positions, model.model.rotary_emb.inv_freq)  # [1, 12, 2·H·D]
+    assert x.shape == (1, 12, 2 * H * D) and torch.allclose(x[0, 3, :D], keys[0, 0, 3], atol=1e-5)
+    back_keys, back_values = split_vectors(x, positions, H, model.model.rotary_emb.inv_freq)
+    assert torch.allclose(back_keys, ours, atol=1e-5) and torch.equal(back_values, keys * 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 40), stride=st.integers(2, 9), sinks=st.integers(0, 4), k=st.integers(1, 5), seed=st.integers(0, 10**6))
+def test_nearest_references_are_the_k_nearest_earlier_ones(n, stride, sinks, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=gen)
+    positions = torch.arange(n)
+    is_ref = reference_mask(positions, stride, sinks)
+    coded = (~is_ref).nonzero().squeeze(1)
+    if coded.numel() == 0:
+        return
+    nearest = nearest_references(x[coded], x[is_ref], positions[is_ref], positions[coded], k)
+    assert nearest.shape == (coded.numel(), k)
+    ref_positions = positions[is_ref]
+    for row, token in enumerate(coded.tolist()):
+        earlier = [j for j in range(ref_positions.numel()) if ref_positions[j] < token]
+        by_distance = sorted(earlier, key=lambda j: float((x[token] - x[is_ref][j]).pow(2).sum()))
+        chosen = nearest[row].tolist()
+        distance = [float((x[token] - x[is_ref][j]).pow(2).sum()) for j in chosen]
+        want = [float((x[token] - x[is_ref][j]).pow(2).sum()) for j in by_distance[:k]]
+        want += [want[0]] * (k - len(want))  # fewer than k: the nearest is repeated
+        assert all(ref_positions[j] < token for j in chosen)
+        assert sorted(distance) == pytest.approx(sorted(want), rel=1e-5, abs=1e-5)
+
+
+def _coded_table(weights: DeltaKVWeights, n: int, recent: int = 0, bits=None, seed: int = 0):
+    """A pool and a one-row table holding n random entries of layer 1, then coded."""
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(1, H, n, D, generator=gen), torch.randn(1, H, n, D, generator=gen)
+    pool = SlotPool(D)
+    table = SlotTable(1, H)
+    table.append(pool, keys, values, torch.arange(n)[None])
+    codec = DeltaKVCodec(weights, bits)
+    tier = pool.tier(codec)
+    coded = table.code(pool, tier, recent, slice(0, 1), layer=1)
+    return pool, table, keys, values, coded
+
+
+def _expected(weights: DeltaKVWeights, keys, values, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x̂ = f_d(f_c(x) − f_c(m)) + m for every non-reference token, recomputed by hand in float32."""
+    positions = torch.arange(n)
+    x = token_vectors(keys[0], values[0], positions, weights.inv_freq)  # [n, 2HD]
+    is_ref = reference_mask(positions, weights.stride, weights.sinks)
+    expected = x.clone()
+    for i in (~is_ref).nonzero().squeeze(1).tolist():
+        refs = [j for j in range(i) if is_ref[j]]
+        distance = torch.stack([(x[i] - x[j]).pow(2).sum() for j in refs])
+        nearest = [refs[j] for j in distance.argsort()[: weights.top_k].tolist()]
+        nearest += [nearest[0]] * (weights.top_k - len(nearest))
+        m = x[nearest].mean(0)
+        s = weights.scale[1]
+
+        def f_c(v):
+            v = v / s
+            return (torch.nn.functional.silu(v @ weights.w_gate[1]) * (v @ weights.w_up[1])) @ weights.w_down[1]
+
+        expected[i] = (f_c(x[i]) - f_c(m)) @ weights.decoder[1] * s + m
+    return split_vectors(expected, positions, H, weights.inv_freq)
+
+
+def test_references_come_back_exactly_and_coded_tokens_as_the_float32_reconstruction():
+    weights = _weights()
+    n = 47
+    pool, table, keys, values, coded = _coded_table(weights, n)
+    assert coded == H * n
+    view = table.view(pool)
+    is_ref = reference_mask(torch.arange(n), weights.stride, weights.sinks)
+    assert torch.equal(view.keys[0][:, is_ref], keys[0][:, is_ref]) and torch.equal(view.values[0][:, is_ref], values[0][:, is_ref])
+    want_keys, want_values = _expected(weights, keys, values, n)
+    assert torch.allclose(view.keys[0], want_keys, atol=1e-4) and torch.allclose(view.values[0], want_values, atol=1e-4)
+    assert not torch.allclose(view.keys[0][:, ~is_ref], keys[0][:, ~is_ref], atol=1e-2)  # codes are lossy
+
+
+def test_four_bit_codes_stay_within_half_a_step_of_the_full_codes():
+    weights = _weights(seed=3)
+    n = 40
+    pool, table, _, _, _ = _coded_table(weights, n, seed=3)
+    pool4, table4, _, _, _ = _coded_table(weights, n, bits=4, seed=3)
+    blocks = torch.arange(1, 1 + n - int(reference_mask(torch.arange(n), 10, 4).sum()))  # every coded token's block
+    full_codes = pool.tiers[0].codec.codes(pool.tiers[0].arrays, blocks)
+    store4 = pool4.tiers[0]
+    quantized = store4.codec.codes(store4.arrays, blocks)
+    step = store4.arrays["code_scale"][blocks].float()
+    assert bool(((quantized - full_codes).abs() <= step / 2 + 1e-5).all())
+    assert store4.bytes_per_slot < pool.tiers[0].bytes_per_slot
+
+
+def test_an_untrained_codec_round_trips_shapes_and_bytes_and_save_load_is_exact(tmp_path):
+    weights = _weights()
+    weights.save(tmp_path / "codec", model="tiny")
+    loaded = DeltaKVWeights.load(tmp_path / "codec")
+    for name, tensor in weights.state_dict().items():
+        saved = tensor if name == "inv_freq" else tensor.half().float()  # stored as float16
+        assert torch.equal(loaded.state_dict()[name], saved), name
+    n = 30
+    pool, table, keys, _, _ = _coded_table(loaded, n, recent=5)
+    view = table.view(pool)
+    assert view.keys.shape == keys.shape and table.num_entries() == H * n
+    refs = int(reference_mask(torch.arange(n - 5), 10, 4).sum())  # positions 0-3, 10, 20
+    code_block = (2 * H * D // 4) * 4 + loaded.top_k * 4 + 4 + 2  # the code (fp32), reference ids, position, layer
+    ref_block = 2 * H * D * 4 + 4
+    plain = 5 * H * 2 * D * 4
+    metadata = n * H * 8 + H * 8  # slot index and position per entry, a length per head
+    assert table.nbytes(pool) == refs * ref_block + (n - 5 - refs) * code_block + plain + metadata
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["append", "code", "fork", "release"]), st.integers(1, 25)), min_size=1, max_size=12),
+       seed=st.integers(0, 10**6))
+def test_no_slot_or_reference_is_leaked_or_freed_early(ops, seed):
+    """Random appends, coding passes, forks and releases: every table reads back what it read before the
+    others changed, and once every table is released the pool and both tiers are empty."""
+    weights = _weights()
+    gen = torch.Generator().manual_seed(seed)
+    pool = SlotPool(D)
+    tier = pool.tier(DeltaKVCodec(weights))
+    tables = [SlotTable(1, H)]
+    for op, count in ops:
+        live = [t for t in tables if t.num_entries() or t is tables[0]]
+        table = live[count % len(live)]
+        if op == "append":
+            start = int(table.lengths[0, 0])
+            table.append(pool, torch.randn(1, H, count, D, generator=gen), torch.randn(1, H, count, D, generator=gen),
+                         torch.arange(start, start + count)[None])
+        elif op == "code" and table.num_entries():
+            table.code(pool, tier, count % 7, slice(0, 1), layer=count % 2)
+        elif op == "fork" and table.num_entries():
+            before = table.view(pool).keys.clone()
+            twin = table.share(pool)
+            table.code(pool, tier, 0, slice(0, 1), layer=0)
+            assert torch.equal(twin.view(pool).keys, before)  # coding one table leaves its fork as it was
+            tables.append(twin)
+        elif op == "release" and len(tables) > 1:
+            tables.pop(count % len(tables)).release(pool)
+    for table in tables:
+        if table.num_entries():
+            assert bool(torch.isfinite(table.view(pool).keys).all())
+        table.release(pool)
+    assert pool.num_used == 0 and all(t.num_used == 0 for t in pool.tiers)
+
+
+def test_a_token_is_coded_over_every_head_only_when_every_head_holds_it():
+    weights = _weights()
+    pool, table, _, _, _ = _coded_table(weights, 12, recent=12)
+    keep = torch.ones(1, H, 12, dtype=torch.bool)
+    keep[0, 0, 5] = False
+    table.retain(pool, keep)
+    with pytest.raises(ValueError, match="every head must hold the same"):
+        table.code(pool, 1, 0, slice(0, 1), layer=1)
+    assert math.isfinite(float(table.view(pool).keys.sum()))
