@@ -179,6 +179,7 @@ def test_training_lowers_the_error_and_resumes_exactly(tmp_path, monkeypatch):
     first = train_deltakv(model, tokenizer, tmp_path / "a", run, data=str(text), progress=False)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert first["mse"] < 0.9 * config["history"][0]["mse"] and config["full_layers"] == [0]
+    assert len(config["layer_kl"]) == 2 and min(config["layer_kl"]) >= 0  # each layer's cost when coded alone
     real_losses, calls = training.losses, []
 
     def stop_after_15(*args, **kwargs):

@@ -62,13 +62,14 @@ class _Coding:
     weights: DeltaKVWeights | None = None
     errors: list[torch.Tensor] = []
     fitting_scale = False
+    layers: set[int] | None = None  # the layers coded (None: all)
 
 
 def coded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Causal attention over reconstructed keys and values (references exact); records the layer's
     relative error. Plain SDPA when no codec is set."""
     weights = _Coding.weights
-    if weights is None or _Coding.fitting_scale:
+    if weights is None or _Coding.fitting_scale or (_Coding.layers is not None and module.layer_idx not in _Coding.layers):
         if weights is not None:  # the scale of each layer's inputs as the plain model makes them
             weights.fit_scale(module.layer_idx, token_vectors(key, value, torch.arange(key.shape[2]), weights.inv_freq))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -135,8 +136,9 @@ def new_weights(model, settings: DeltaKVTraining) -> DeltaKVWeights:
 def train_deltakv(model, tokenizer, out: Path | str, settings: DeltaKVTraining, *, data: str | None = None,
                   model_name: str = "", full_layers: tuple[int, ...] = (0,), progress: bool = True) -> dict:
     """Train a codec for every layer of ``model`` (frozen) and write ``out``/model.safetensors + config.json
-    (``full_layers``: the layers the method leaves uncoded by default); returns the final losses. Resumes
-    from ``out``/state.pt when a previous run left one."""
+    (``full_layers``: the layers the method leaves uncoded by default; ``layer_kl``: each layer's cost when
+    coded alone, on two held-out sequences — ``profile_layers``); returns the final losses. Resumes from
+    ``out``/state.pt when a previous run left one."""
     out = Path(out)
     torch.manual_seed(settings.seed)
     weights = new_weights(model, settings)
@@ -152,9 +154,33 @@ def train_deltakv(model, tokenizer, out: Path | str, settings: DeltaKVTraining, 
     finally:
         restore()
     final = mean_tail(history)
+    held_out = training_sequences(tokenizer, settings.seq_len, settings.seed + 1, data)  # samples training never saw
+    profile = profile_layers(model, weights, [next(held_out) for _ in range(2)])
     weights.save(out, model=model_name, full_layers=list(full_layers), settings=asdict(settings), data=data or GENERATED_DATA,
-                 final_losses=final, train_seconds=round(seconds, 1), history=history[:: max(1, len(history) // 100)])
+                 final_losses=final, train_seconds=round(seconds, 1), layer_kl=profile,
+                 history=history[:: max(1, len(history) // 100)])
     return final
+
+
+def profile_layers(model, weights: DeltaKVWeights, sequences: list[list[int]]) -> list[float]:
+    """Per layer, KL(p_full ‖ p) of the next-token distributions when only that layer is coded (every
+    non-reference token rebuilt), averaged over ``sequences``: which layers to leave full."""
+    restore = _use_coded_attention(model)
+    totals = [0.0] * weights.w_gate.shape[0]
+    try:
+        with torch.no_grad():
+            for ids in sequences:
+                ids = torch.tensor([ids], device=model.device)
+                _Coding.weights = None
+                full = F.log_softmax(model(ids).logits.float(), dim=-1)
+                for layer in range(len(totals)):
+                    _Coding.weights, _Coding.layers = weights, {layer}
+                    coded = F.log_softmax(model(ids).logits.float(), dim=-1)
+                    totals[layer] += float(F.kl_div(coded, full, log_target=True, reduction="none").sum(-1).mean()) / len(sequences)
+    finally:
+        _Coding.weights, _Coding.errors, _Coding.layers = None, [], None
+        restore()
+    return [round(t, 5) for t in totals]
 
 
 def _fit_scale(model, weights: DeltaKVWeights, ids: list[int]) -> None:
