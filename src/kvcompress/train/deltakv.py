@@ -5,8 +5,10 @@ The model runs with a registered attention function that replaces, at every laye
 values of every non-reference token with their reconstruction x̂ = f_d(f_c(x) − f_c(m)) + m (m the
 mean of the token's nearest earlier references, exactly as the codec stores it; RoPE undone and
 re-applied), then attends causally. Loss = ``mse`` · mean over layers of the relative
-reconstruction error ‖x − x̂‖² / ‖x − m‖² over the coded tokens (1 = no better than the
-references' mean; every layer weighs alike whatever its scale) + ``kl`` · KL(p_full ‖ p_reconstructed)
+reconstruction error ‖(x − x̂)/σ‖² / ‖(x − m)/σ‖² over the coded tokens (σ: the layer's per-channel
+input scale, so that values weigh like keys — in raw units a few large key channels dominate and
+the values were left at the references' mean; 1 = no better than that mean; every layer weighs
+alike) + ``kl`` · KL(p_full ‖ p_reconstructed)
 of the next-token distributions + ``next_token`` · the next-token cross-entropy of the model run on
 reconstructed K/V. The paper's hybrid objective is MSE + next-token loss; here the next-token term
 is the full model's distribution (KL) by default: with the cross-entropy at weight 1 the
@@ -39,7 +41,7 @@ CODED = "kvcompress_deltakv_train"
 class DeltaKVTraining:
     """Hyperparameters of a run (stored in config.json); the defaults made the shipped checkpoint."""
 
-    steps: int = 1000
+    steps: int = 800
     seq_len: int = 512
     hidden: int = 128  # the compressor's width d_h
     code_ratio: float = 0.25  # d_c / (2·H·d)
@@ -82,8 +84,9 @@ def coded_attention(module, query, key, value, attention_mask, scaling=None, dro
     means = torch.stack([_reference_means(row, positions, is_ref, weights.top_k) for row in x])  # [B, n, 2Hd]
     x_hat = weights.reconstruct(layer, weights.code(layer, x, means), means)
     x_hat = torch.where(coded[None, :, None], x_hat, x)
-    target = x.detach()
-    error = (x_hat - target)[:, coded].pow(2).sum() / (means.detach() - target)[:, coded].pow(2).sum().clamp_min(1e-12)
+    scale, target = weights.scale[layer], x.detach()  # errors per channel in units of its spread: values weigh like keys
+    error = (((x_hat - target) / scale)[:, coded].pow(2).sum()
+             / ((means.detach() - target) / scale)[:, coded].pow(2).sum().clamp_min(1e-12))
     _Coding.errors.append(error)
     keys, values = split_vectors(x_hat, positions, key.shape[1], weights.inv_freq)
     return sdpa_attention_forward(module, query, keys.to(query.dtype), values.to(query.dtype), attention_mask,
