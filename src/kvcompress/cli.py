@@ -14,7 +14,7 @@ from tqdm import tqdm
 from . import available_methods, generate, get_method, load_model
 from .demo import needle_prompt
 from .eval.tasks import BUILTIN_TASKS
-from .methods import REGISTRY, parse_method_spec
+from .methods import REGISTRY, parse_method_spec, split_method_list
 
 
 def _method(spec: str, budget: int | None = None, ratio: float | None = None, default_ratio: float | None = None):
@@ -92,7 +92,7 @@ def cmd_demo(args) -> int:
     """Every method on the built-in long prompt, in both protocols: answer, kept ratio, timings."""
     model, tokenizer = _load(args)
     prompt = needle_prompt(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
-    methods = ["full"] + [m for m in args.methods.split(",") if m != "full"]
+    methods = ["full"] + [m for m in split_method_list(args.methods) if m != "full"]
     runs = [(m, qa) for qa in (False, True) for m in methods]
     rows = []
     for name, query_aware in tqdm(runs, desc="demo", disable=args.quiet):
@@ -129,7 +129,7 @@ def _grid(args) -> list:
     from .eval.runner import EvalSettings, method_grid
 
     budgets, ratios = _sizes(args)
-    return method_grid(EvalSettings(methods=args.methods.split(","), budgets=budgets, ratios=ratios))
+    return method_grid(EvalSettings(methods=split_method_list(args.methods), budgets=budgets, ratios=ratios))
 
 
 def _out_dir(args) -> Path:
@@ -155,7 +155,7 @@ def cmd_eval(args) -> int:
 
     budgets, ratios = _sizes(args)
     settings = EvalSettings(
-        methods=args.methods.split(","), budgets=budgets, ratios=ratios,
+        methods=split_method_list(args.methods), budgets=budgets, ratios=ratios,
         tasks=_tasks(args), task_files=args.task_file or [], limit=args.limit,
         samples=args.samples, context_tokens=args.context_tokens, seed=args.seed,
         query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,

@@ -47,3 +47,12 @@ def test_a_size_in_the_spec_runs_once_and_clashes_with_a_size_flag():
     assert _method("snapkv:budget=16", default_ratio=0.25).budget == 16
     with pytest.raises(ValueError, match="give the size once"):
         _method("snapkv:budget=16", budget=32)
+
+
+def test_a_method_list_splits_at_commas_outside_quotes_and_brackets():
+    from kvcompress.methods import split_method_list
+
+    text = 'full, deltakv:full_layers=(1,2,16),quest:compress_with="snapkv:ratio=0.5,window=8",omnikv:filters=[2,8]'
+    assert split_method_list(text) == ["full", "deltakv:full_layers=(1,2,16)", 'quest:compress_with="snapkv:ratio=0.5,window=8"',
+                                       "omnikv:filters=[2,8]"]
+    assert method_from_spec(split_method_list(text)[1]).full_layers == (1, 2, 16)

@@ -99,6 +99,26 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
     return name.strip().lower(), options
 
 
+def split_method_list(text: str) -> list[str]:
+    """Split a comma-separated list of method specs at the commas outside quotes and brackets:
+    ``snapkv,deltakv:full_layers=(1,2),quest:compress_with="snapkv:ratio=0.5"`` is three specs."""
+    specs, depth, quote, start = [], 0, "", 0
+    for i, char in enumerate(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            specs.append(text[start:i])
+            start = i + 1
+    specs.append(text[start:])
+    return [spec.strip() for spec in specs if spec.strip()]
+
+
 def _split_spec(spec: str) -> list[str]:
     """Split at colons outside quotes: ``quest:compress_with="snapkv:ratio=0.5"`` nests one spec in another."""
     lexer = shlex.shlex(spec.strip(), posix=True)
