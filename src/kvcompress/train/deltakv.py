@@ -26,13 +26,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..models import model_facts, rotary_embedding
 from ..store.deltakv import DeltaKVWeights, nearest_references, reference_mask, split_vectors, token_vectors
-from .loop import GENERATED_DATA, fit, mean_tail, training_sequences
+from .loop import GENERATED_DATA, fit, mean_tail, training_sequences, use_attention
 
 CODED = "kvcompress_deltakv_train"
 
@@ -198,8 +196,4 @@ def _fit_scale(model, weights: DeltaKVWeights, ids: list[int]) -> None:
 
 def _use_coded_attention(model):
     """Switch ``model`` to the coding attention; returns the undo."""
-    AttentionInterface.register(CODED, coded_attention)
-    AttentionMaskInterface.register(CODED, sdpa_mask)
-    before = model.config._attn_implementation
-    model.set_attn_implementation(CODED)
-    return lambda: model.set_attn_implementation(before)
+    return use_attention(model, CODED, coded_attention)

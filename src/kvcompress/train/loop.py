@@ -150,6 +150,19 @@ def _resume(out: Path, module, optimizer, schedule, ours: dict) -> tuple[int, li
     return state["step"], state["history"]
 
 
+def use_attention(model, name: str, function) -> Callable[[], None]:
+    """Register ``function`` as transformers' attention ``name`` (with SDPA's mask) and switch ``model`` to it;
+    returns the undo."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    return lambda: model.set_attn_implementation(before)
+
+
 def mean_tail(history: list, last: int = 20) -> dict:
     """The mean of every loss over the last ``last`` steps."""
     tail = history[-last:]
@@ -157,4 +170,5 @@ def mean_tail(history: list, last: int = 20) -> dict:
     return {k: round(sum(r[k] for r in tail) / len(tail), 6) for k in keys}
 
 
-__all__ = ["FIRST_TRAIN_SEED", "GENERATED_DATA", "TRAIN_TASKS", "fit", "mean_tail", "training_sequences", "warmup_cosine"]
+__all__ = ["FIRST_TRAIN_SEED", "GENERATED_DATA", "TRAIN_TASKS", "fit", "mean_tail", "training_sequences", "use_attention",
+           "warmup_cosine"]

@@ -18,14 +18,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..hf.cache import watch_attention_inputs
 from ..methods.retention import RetentionGates
 from ..models import attention_modules, model_facts
-from .loop import GENERATED_DATA, fit, mean_tail
+from .loop import GENERATED_DATA, fit, mean_tail, use_attention
 
 GATED = "kvcompress_retention_train"
 
@@ -121,9 +119,5 @@ def train_retention(model, tokenizer, out: Path | str, settings: RetentionTraini
 
 def _use_gated_attention(model):
     """Switch ``model`` to the gated attention (and watch its attention inputs); returns the undo."""
-    AttentionInterface.register(GATED, gated_attention)
-    AttentionMaskInterface.register(GATED, sdpa_mask)
     watch_attention_inputs(attention_modules(model))
-    before = model.config._attn_implementation
-    model.set_attn_implementation(GATED)
-    return lambda: model.set_attn_implementation(before)
+    return use_attention(model, GATED, gated_attention)
