@@ -225,3 +225,15 @@ def test_the_train_verb_writes_a_checkpoint_the_method_loads(what, flags, tiny_c
     capsys.readouterr()
     assert cli_main(argv(4)) == 2  # other settings: refused
     assert "other steps" in capsys.readouterr().err
+
+
+def test_sessions_of_one_method_share_its_codec_tiers():
+    model = tiny_model(seed=8, layers=2)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(8))
+    method = method_from_spec(f"omnikv:filters=(1,):codec='deltakv:recent=4:checkpoint=\"{tiny_codec(model)}\"'", budget=16)
+    shared = CompressedCache(model, compress_on_prefill=False)
+    with torch.no_grad():
+        model(ids, past_key_values=shared)
+    forks = [shared.fork(method) for _ in range(20)]  # more than a pool's 15 tiers, were each fork to make its own
+    assert len(shared.session.pool.tiers) == 2 and method.coder() is method.coder()  # codes and references
+    assert all(torch.equal(f.session.view(1).keys, forks[0].session.view(1).keys) for f in forks)

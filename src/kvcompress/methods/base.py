@@ -135,9 +135,13 @@ class Method:
         return None if coder is None else coder.storage(dtype)
 
     def coder(self) -> Method | None:
-        """The coding method named by ``codec`` (None: plain storage), checked."""
+        """The coding method named by ``codec`` (None: plain storage), checked; built once per method (a
+        learned codec loads its checkpoint once, and every session of this method shares one pool tier)."""
         if self.codec is None:
             return None
+        built = self.__dict__.get("_coder")
+        if built is not None and built[0] == self.codec:
+            return built[1]
         if not isinstance(self.codec, str):
             raise ValueError(f"codec must name a coding method such as \"kivi:bits=4\", got {self.codec!r}")
         from . import method_from_spec
@@ -149,6 +153,7 @@ class Method:
             raise ValueError(f"{self.name} evicts entries head by head, and deltakv codes a token over every KV head at "
                              "once: use codec=\"kivi\" with it, or deltakv with a method that keeps every entry "
                              "(omnikv, quest)")
+        self.__dict__["_coder"] = (self.codec, coder)
         return coder
 
     def needs(self) -> Needs:
