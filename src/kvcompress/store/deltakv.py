@@ -141,14 +141,25 @@ class DeltaKVWeights(nn.Module):
         with torch.no_grad():
             self.scale[layer] = x.detach().float().reshape(-1, x.shape[-1]).std(0).clamp_min(1e-3)
 
+    MATRICES = ("w_gate", "w_up", "w_down", "decoder")
+
     def save(self, directory: Path | str, **about) -> None:
-        """``model.safetensors`` (weights in float16, the frequencies in float32) + ``config.json``."""
+        """``model.safetensors`` + ``config.json``. The matrices are stored in 8 bits with a float16 scale per
+        output channel (|error| ≤ half a step; a shipped codec stays under 5 MB), the input scales in
+        float16, the RoPE frequencies in float32."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: (v if k == "inv_freq" else v.half()).detach().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(directory / "model.safetensors"))
+        tensors = {}
+        for name, value in self.state_dict().items():
+            if name in self.MATRICES:
+                step = (value.abs().amax(1, keepdim=True) / 127).half().float().clamp_min(1e-12)  # [L, 1, out]
+                tensors[name] = torch.round(value / step).clamp(-127, 127).to(torch.int8)
+                tensors[f"{name}.step"] = step.half()
+            else:
+                tensors[name] = value if name == "inv_freq" else value.half()
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
         (directory / "config.json").write_text(json.dumps({"method": "deltakv", **self.dims, **about}, indent=2) + "\n")
 
     @classmethod
@@ -160,7 +171,9 @@ class DeltaKVWeights(nn.Module):
             raise FileNotFoundError(f"deltakv checkpoint {directory}: needs model.safetensors and config.json "
                                     "(`kvcompress train deltakv --out DIR` writes them)")
         c = json.loads((directory / "config.json").read_text())
-        tensors = {k: v.float() for k, v in load_file(str(directory / "model.safetensors")).items()}
+        stored = load_file(str(directory / "model.safetensors"))
+        tensors = {k: v.float() * stored[f"{k}.step"].float() if f"{k}.step" in stored else v.float()
+                   for k, v in stored.items() if not k.endswith(".step")}
         weights = cls(c["num_layers"], c["num_kv_heads"], c["head_dim"], tensors["inv_freq"], hidden=c["hidden"],
                       code_width=c["code_width"], stride=c["stride"], top_k=c["top_k"], sinks=c["sinks"])
         weights.load_state_dict(tensors)
