@@ -440,9 +440,8 @@ def cmd_train(args) -> int:
     model, tokenizer = _load(args)
     outdir.start(out, "train", overwrite=args.overwrite)
     final = run(model, tokenizer, out)
-    use = "retention" if args.what == "retention" else "deltakv"
     print(f"{args.what} checkpoint in {out}/ (model.safetensors, config.json); final losses {final}; "
-          f"use it with --methods '{use}:checkpoint=\"{out}\"'")
+          f"use it with --methods '{args.what}:checkpoint=\"{out}\"'")
     return 0
 
 
@@ -646,8 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(t)
     t.add_argument("--out", required=True, help="folder for model.safetensors + config.json (an unfinished run there resumes)")
     t.add_argument("--overwrite", action="store_true", help="start again in a folder that holds a run")
-    t.add_argument("--steps", type=_count, default=None, help="optimizer steps, one sequence each (default: 800 retention, "
-                   "800 deltakv)")
+    t.add_argument("--steps", type=_count, default=None, help="optimizer steps, one sequence each (default: 800)")
     t.add_argument("--seq-len", type=_count, default=512, help="tokens per training sequence")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 retention, 1e-3 deltakv)")
     t.add_argument("--next-token", type=float, default=None, help="weight of the next-token loss (default: 0)")

@@ -68,13 +68,6 @@ class DeltaKV(Method):
                              "--out DIR` and pass checkpoint=DIR")
         return DeltaKVWeights.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / EMBEDDED)
 
-    @cached_property
-    def default_full_layers(self) -> tuple[int, ...]:
-        import json
-
-        folder = Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / EMBEDDED
-        return tuple(json.loads((folder / "config.json").read_text()).get("full_layers", ()))
-
     def check_model(self, config) -> None:
         dims = self.weights.dims
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -89,7 +82,7 @@ class DeltaKV(Method):
             raise ValueError(f"deltakv: full_layers {bad} are not layers of this {ours[0]}-layer model")
 
     def layers_left_full(self) -> tuple[int, ...]:
-        return tuple(self.full_layers) if self.full_layers is not None else self.default_full_layers
+        return tuple(self.full_layers) if self.full_layers is not None else tuple(self.weights.about.get("full_layers", ()))
 
     def storage(self, dtype: torch.dtype = torch.float32) -> tuple[DeltaKVCodec, int]:
         """DeltaKV's codec and its raw recent tokens."""

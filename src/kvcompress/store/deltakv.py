@@ -117,6 +117,7 @@ class DeltaKVWeights(nn.Module):
         self.register_buffer("inv_freq", inv_freq.detach().float().clone())
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.stride, self.top_k, self.sinks = stride, top_k, sinks
+        self.about: dict = {}  # what a loaded checkpoint's config.json says beside the dims (full_layers, training)
 
     @property
     def dims(self) -> dict:
@@ -177,6 +178,7 @@ class DeltaKVWeights(nn.Module):
         weights = cls(c["num_layers"], c["num_kv_heads"], c["head_dim"], tensors["inv_freq"], hidden=c["hidden"],
                       code_width=c["code_width"], stride=c["stride"], top_k=c["top_k"], sinks=c["sinks"])
         weights.load_state_dict(tensors)
+        weights.about = c
         return weights.eval().requires_grad_(False)
 
 
