@@ -14,6 +14,7 @@ def rows(embedded):
     model, tokenizer = embedded
     methods = [get_method(name, ratio=1.0) for name in available_methods() if REGISTRY[name].needs_budget]
     methods += [get_method("snapkv", budget=b) for b in (32, 96, 256)]
+    methods += [get_method("quest", ratio=0.1, page_size=4), get_method("omnikv", ratio=0.1)]
     return diagnose(model, tokenizer, methods, context_tokens=384, continuation_tokens=24, progress=False)
 
 
@@ -30,6 +31,15 @@ def test_snapkv_error_falls_as_budget_grows(rows):
     assert errors[0] > errors[1] > errors[2] > 0
     assert snap[0]["kl"] > snap[2]["kl"]
     assert len(snap[0]["rel_error_per_layer"]) == 30
+
+
+def test_selection_is_measured_as_it_decodes(rows):
+    """A chunk of tokens reads everything; Quest and OmniKV are decoded token by token, so reading a
+    tenth shows an error (at ratio 1.0 they read everything: exactly 0, checked above)."""
+    for name in ("quest", "omnikv"):
+        row = next(r for r in rows if r["method"].startswith(name) and r["ratio"] == 0.1)
+        assert row["rel_error"] > 0.01 and row["kl"] > 1e-4, name
+        assert row["cr"] < 0.5, name
 
 
 def test_rows_follow_the_schema(rows):

@@ -5,7 +5,9 @@ Prefill ``context_tokens`` of text, compress, then teacher-force the next
 
 * ``rel_error_per_layer``: ‖o − o_full‖ / ‖o_full‖ of each layer's attention output over the
   continuation, with every layer fed the full model's own queries and continuation entries,
-  so that a layer's error is its compression's alone (errors do not compound);
+  so that a layer's error is its compression's alone (errors do not compound). A method
+  that selects what each step reads (Quest, OmniKV) is decoded one token at a time, as it
+  runs, against the full cache decoded the same way;
 * ``rel_error``: its mean over layers;
 * ``kl``: mean KL(p_full ‖ p_method) of the next-token distributions, end to end;
 * ``ppl_ratio``: perplexity of the continuation with the method ÷ with the full cache;
@@ -45,38 +47,50 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
 
     full = shared.fork(shared.method)
     full.recorder = {}
-    full_logits = model(continuation, past_key_values=full, use_cache=True).logits[0, :-1].float()
-    reference = full.recorder
+    chunk_logits = model(continuation, past_key_values=full, use_cache=True).logits[0, :-1].float()
+    steps = [full.recorder[idx][:4] for idx in range(len(full.layers))]  # each layer's queries, keys, values, positions
+    references = {False: ([full.recorder[idx][4] for idx in range(len(full.layers))], chunk_logits)}
     targets = continuation[0, 1:]
-    full_nll = F.cross_entropy(full_logits, targets)
 
     rows = []
     for method in tqdm([shared.method, *methods], desc="diagnose", disable=not progress):
+        stepwise = method.selects  # a chunk reads everything: a method that selects is decoded token by token
+        if stepwise not in references:  # the full cache decoded the same way, so that nothing lost reads as 0
+            references[stepwise] = continuation_fidelity(model, shared.fork(shared.method), continuation, steps, stepwise)
         compressed = shared.fork(method)
         stats = compressed.stats()
-        errors = layer_errors(model, compressed, reference)
-        logits = model(continuation, past_key_values=compressed, use_cache=True).logits[0, :-1].float()
+        outputs, logits = continuation_fidelity(model, compressed, continuation, steps, stepwise)
+        if stepwise:  # the share of entries its decoding steps read
+            stats["cr"] = compressed.stats()["cr"]
+        full_outputs, full_logits = references[stepwise]
+        errors = [float((out.float() - ref.float()).norm() / ref.float().norm()) for out, ref in zip(outputs, full_outputs)]
         kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(full_logits, -1), log_target=True, reduction="batchmean")
         nll = F.cross_entropy(logits, targets)
         rows.append({
             "method": method.variant, "budget": method.budget, "ratio": method.ratio, "label": method.label,
             "kr": stats["kr"], "cr": stats["cr"],
             "rel_error_per_layer": errors, "rel_error": sum(errors) / len(errors),
-            "kl": float(kl), "ppl_ratio": float(torch.exp(nll - full_nll)),
+            "kl": float(kl), "ppl_ratio": float(torch.exp(nll - F.cross_entropy(full_logits, targets))),
             "rel_error_at_merge": 0.0 if method.name == "full" else compressed.merge_error,
             **({"merge_counts": stats["merge_counts"]} if "merge_counts" in stats else {}),
         })
     return rows
 
 
-def layer_errors(model, compressed: CompressedCache, reference: dict[int, tuple]) -> list[float]:
-    """Per layer: the compressed layer's output for the full run's continuation queries and entries."""
-    errors = []
-    for idx in range(len(compressed.layers)):
-        query, key, value, positions, full_out = reference[idx]
-        out = compressed.session.probe(idx, query, key, value, positions)
-        errors.append(float((out.float() - full_out.float()).norm() / full_out.float().norm()))
-    return errors
+def continuation_fidelity(model, compressed: CompressedCache, continuation: torch.Tensor, steps: list[tuple],
+                          stepwise: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each layer's attention output for the full run's continuation queries and entries (``steps[layer]``;
+    errors do not compound), then the teacher-forced logits [n − 1, vocab] float32 — in one chunk, or one
+    token at a time (``stepwise``: how a method that selects what each step reads really decodes)."""
+    session = compressed.session
+    if stepwise:
+        outputs = session.probe_steps(steps)
+        logits = torch.stack([model(continuation[:, t:t + 1], past_key_values=compressed, use_cache=True).logits[0, -1]
+                              for t in range(continuation.shape[1] - 1)]).float()
+    else:
+        outputs = [session.probe(idx, *step) for idx, step in enumerate(steps)]
+        logits = model(continuation, past_key_values=compressed, use_cache=True).logits[0, :-1].float()
+    return outputs, logits
 
 
 def diagnose_markdown(rows: list[dict], title: str) -> str:

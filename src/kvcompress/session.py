@@ -303,6 +303,31 @@ class Session:
         finally:
             table.release(self.pool)
 
+    def probe_steps(self, steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """What decoding one token at a time would answer, with the method's selection, for every layer's
+        queries, keys, values and positions of a continuation (``steps[layer]``: [B, Hq, q, d], [B, H, q, d]
+        ×2, [B, q]), leaving the session as it is (the method reads but does not act): each layer's
+        output [B, Hq, q, d]. Token-major, so a selection one layer makes for the next (OmniKV) holds."""
+        tables = [self.table.share(self.pool, self.rows(i)) for i in range(self.num_layers)]
+        outputs: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]
+        try:
+            for t in range(steps[0][0].shape[2]):
+                scratch: dict = {}  # one decoding step's, shared by its layers
+                for i, (query, key, value, positions) in enumerate(steps):
+                    layer, at = self.layers[i], slice(t, t + 1)
+                    tables[i].append(self.pool, key[:, :, at], value[:, :, at], positions[:, at])
+                    view = tables[i].view(self.pool, summary=layer.summary)
+                    select = None
+                    if self.method.selects:
+                        context = dataclasses.replace(self.context(i, query[:, :, at], positions[:, at]),
+                                          tokens_seen=layer.tokens_seen + t + 1, step=scratch)
+                        select = self.method.select(view, context)
+                    outputs[i].append(read(query[:, :, at], positions[:, at], view, layer.scaling, select=select).out)
+        finally:
+            for table in tables:
+                table.release(self.pool)
+        return [torch.cat(parts, dim=2) for parts in outputs]
+
     # ----- prefill once, compress many ---------------------------------------------------------
     def fork(self, method: Method) -> Session:
         """A copy of this (uncompressed) session compressed with ``method``; this one is untouched."""

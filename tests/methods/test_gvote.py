@@ -340,7 +340,7 @@ def test_fork_equals_compressing_directly():
     shared = CompressedCache(model, compress_on_prefill=False, observation_window=32, attention_sums=True, hidden_stats=True)
     model(ids, past_key_values=shared)
     for method in (get_method("gvote"), get_method("gvote", samples=3, p_nuc=0.8, future=4, seed=9)):
-        direct = CompressedCache(model, method)
+        direct = CompressedCache(model, method, attention_sums=True)  # the same prefill pass as the shared one's
         model(ids, past_key_values=direct)
         forked = shared.fork(method)
         for a, b in zip(layers_of(direct), layers_of(forked)):

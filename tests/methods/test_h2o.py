@@ -1,10 +1,14 @@
 """H2O: heavy hitters by accumulated attention plus recent tokens; eviction while decoding."""
 
+import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import kept_positions, random_layer
 from kvcompress import get_method
-from kvcompress.read import prompt_attention, prompt_column_sums
+from kvcompress.read import prompt_attention_with_sums
 
 
 def reference_attention_sums(keys, queries, scaling, group):
@@ -17,21 +21,15 @@ def reference_attention_sums(keys, queries, scaling, group):
     return probs.sum(dim=3).mean(dim=2)
 
 
-def _sums(layer, queries, chunk=64, key_block=512):
-    """The sums the prefill records, with its tiling (``chunk`` queries × ``key_block`` keys)."""
+def _sums(layer, queries, chunk=64):
+    """The sums the prefill records, with its tiling (``chunk`` queries at a time)."""
     keys, values = layer.view().keys, layer.view().values
-    if (chunk, key_block) == (64, 512):
-        return prompt_attention(queries, keys, values, layer.scaling, col_sums=True)[1]
-    b, hq, n, _ = queries.shape
-    logits = torch.einsum("bhqd,bhkd->bhqk", queries.double(), keys.repeat_interleave(hq // keys.shape[1], 1).double())
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    lse = torch.logsumexp((logits * layer.scaling).masked_fill(~causal, float("-inf")), -1).float()
-    return prompt_column_sums(queries, keys, lse, layer.scaling, chunk=chunk, key_block=key_block)
+    return prompt_attention_with_sums(queries, keys, values, layer.scaling, chunk=chunk)[1]
 
 
 def test_attention_sums_match_reference():
     layer, context, queries, positions, _ = random_layer(batch=2, heads=2, group=2, length=40, seed=7)
-    sums = _sums(layer, queries, chunk=7, key_block=5)
+    sums = _sums(layer, queries, chunk=7)
     ref = reference_attention_sums(layer.view().keys, queries, context.scaling, 2)
     assert torch.allclose(sums.double(), ref, atol=1e-4)
 
@@ -71,3 +69,48 @@ def test_decoding_never_exceeds_budget_and_accumulates_scores():
         assert scores.shape == (1, 2, layer.view().positions.shape[2])
         assert float(scores.sum()) >= float(before.sum()) - 2.0  # one entry per head left
     assert all(59 in head and 55 in head for head in kept_positions(layer)[0])  # recent half kept
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), length=st.integers(1, 70), group=st.sampled_from([1, 2, 3]), chunk=st.integers(1, 33))
+def test_one_pass_attention_and_sums_equal_float64_reference(seed, length, group, chunk):
+    """The fused prefill pass: its output equals torch's causal SDPA and its sums the float64 oracle,
+    whatever the chunking."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(1, 2, length, 8, generator=g), torch.randn(1, 2, length, 8, generator=g)
+    queries = torch.randn(1, 2 * group, length, 8, generator=g) * 2
+    out, sums = prompt_attention_with_sums(queries, keys, values, 0.35, chunk=chunk)
+    expected = F.scaled_dot_product_attention(queries, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
+                                              is_causal=True, scale=0.35)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert torch.allclose(sums.double(), reference_attention_sums(keys, queries, 0.35, group), atol=1e-4)
+
+
+def test_padded_prompt_pass_matches_sdpa_on_real_rows_and_stays_finite():
+    """Left padding through transformers' 4-D boolean mask: the real queries' outputs equal SDPA's, a
+    padding query that sees nothing gets 0 (never NaN), and padding neither votes nor is voted for."""
+    g = torch.Generator().manual_seed(3)
+    n, short = 12, 7
+    keys, values = torch.randn(2, 1, n, 4, generator=g), torch.randn(2, 1, n, 4, generator=g)
+    queries = torch.randn(2, 2, n, 4, generator=g)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, : n - short] = False
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    out, sums = prompt_attention_with_sums(queries, keys, values, 0.5, mask, token_valid=valid, chunk=5)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1, :, : n - short], torch.zeros(2, n - short, 4))
+    expected = F.scaled_dot_product_attention(queries[1:, :, n - short:], keys[1:, :, n - short:].repeat_interleave(2, 1),
+                                              values[1:, :, n - short:].repeat_interleave(2, 1), is_causal=True, scale=0.5)
+    assert torch.allclose(out[1:, :, n - short:], expected, atol=1e-5)
+    assert torch.equal(sums[1, :, : n - short], torch.zeros(1, n - short))
+    ref = reference_attention_sums(keys[1:, :, n - short:], queries[1:, :, n - short:], 0.5, 2)
+    assert torch.allclose(sums[1:, :, n - short:].double(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prompt_pass_in_half_precision_is_finite(dtype):
+    g = torch.Generator().manual_seed(4)
+    keys = (torch.randn(1, 2, 40, 8, generator=g) * 30).to(dtype)  # logits far beyond exp's float16 range
+    out, sums = prompt_attention_with_sums((torch.randn(1, 4, 40, 8, generator=g) * 30).to(dtype), keys, keys, 1.0, chunk=16)
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(sums).all()
+    assert torch.allclose(sums.sum(-1), torch.full((1, 2), 40.0), atol=1e-3)  # every query's weights sum to one

@@ -77,8 +77,8 @@ class OmniKV(Method):
     def select(self, view, context) -> torch.Tensor | None:
         filters = self.filter_layers(context.num_layers)
         layer = context.layer_idx
-        if layer < filters[0]:
-            return None  # before the first filter layer: everything
+        if layer < filters[0] or bool((self.read_budget(context) >= context.tokens_seen).all()):
+            return None  # before the first filter layer, or the budget reads every token: everything
         if layer in filters:
             context.step[STEP] = self.choose(view, context)
             return None  # a filter layer reads everything, then chooses for the layers after it

@@ -21,7 +21,7 @@ import torch
 
 from ..store.view import KVView
 from .reference import attend_reference, attention_probs, group_queries, merge_lse, read_reference
-from .sdpa import prompt_attention, prompt_column_sums, read_exact, read_masked
+from .sdpa import prompt_attention, prompt_attention_with_sums, read_exact, read_masked
 
 
 @dataclass
@@ -67,6 +67,6 @@ __all__ = [
     "group_queries",
     "merge_lse",
     "prompt_attention",
-    "prompt_column_sums",
+    "prompt_attention_with_sums",
     "read",
 ]

@@ -9,9 +9,9 @@
   mask, and the CPU flash kernel returns the log-sum-exp that a summary merge needs. Column
   sums (H2O's and KeepKV's decode scores) come from the same logits, without materializing
   [B, H, G, q, L] probabilities twice.
-* ``prompt_attention`` and ``prompt_column_sums``: the prefill's causal attention over the
-  prompt, and each entry's total attention from every prompt query computed from the
-  kernel's log-sum-exp in query chunks (H2O's score) — never the n × n weights at once.
+* ``prompt_attention``: the prefill's causal attention over the prompt; with column sums
+  (H2O's score: each entry's total attention from every prompt query) one chunked pass
+  computes the weights once for the output and the sums — never the n × n weights at once.
 """
 
 from __future__ import annotations
@@ -100,70 +100,67 @@ def read_masked(query: torch.Tensor, query_positions: torch.Tensor, view: KVView
 def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, mask: torch.Tensor | None = None,
                      col_sums: bool = False, token_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of a prompt over itself, as transformers' SDPA computes it: output [B, Hq, n, d]
-    and, if asked, each entry's attention summed over the prompt's queries [B, H, n] (``prompt_column_sums``,
-    from the kernel's own log-sum-exp: the CPU kernel SDPA dispatches to returns it).
+    and, if asked, each entry's attention summed over the prompt's queries [B, H, n]
+    (``prompt_attention_with_sums``, one pass that computes the weights once for both).
 
     ``mask`` is transformers' 4-D attention mask (padded batches) or None (causal); ``token_valid``
     [B, n] marks the real tokens for the sums."""
+    if col_sums:
+        return prompt_attention_with_sums(query, key, value, scaling, mask, token_valid)
     groups = query.shape[1] // key.shape[1]
-    n = query.shape[2]
-    if mask is None and not col_sums:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=n > 1, scale=scaling, enable_gqa=groups > 1), None
-    keys, values = repeat_kv(key, groups), repeat_kv(value, groups)
-    on_cpu = query.device.type == "cpu" and _CPU_FLASH is not None
-    if mask is None and on_cpu:
-        out, lse = _CPU_FLASH(query, keys, values, 0.0, n > 1, scale=scaling)
-    else:
-        if mask is None:
-            mask = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()[None, None]
-        bias = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
-        if col_sums and on_cpu:
-            out, lse = _CPU_FLASH(query, keys, values, 0.0, False, attn_mask=bias.to(query.dtype), scale=scaling)
-        else:
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-            if not col_sums:
-                return out, None
-            lse = torch.cat([torch.logsumexp(torch.matmul(query[:, :, s:s + 256].float(), keys.float().transpose(-1, -2)) * scaling
-                                             + bias[:, :, s:s + 256], dim=-1) for s in range(0, n, 256)], dim=2)
-    if not col_sums:
-        return out, None
-    return out, prompt_column_sums(query, key, lse, scaling, token_valid)
+    if mask is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=groups > 1), None
+    return F.scaled_dot_product_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling), None
 
 
-def prompt_column_sums(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float,
-                       token_valid: torch.Tensor | None = None, chunk: int = 64, key_block: int = 512) -> torch.Tensor:
-    """Σ over the prompt's (real) queries of each entry's attention weight, mean over the GQA group:
-    [B, H, n] float32 (H2O's score), from the attention's log-sum-exp ``lse`` [B, Hq, n].
+def prompt_attention_with_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                               mask: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
+                               chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal prompt attention and its column sums in one pass: output [B, Hq, n, d] (the query's
+    dtype) and Σ over the prompt's (real) queries of each entry's weight, mean over the GQA group,
+    [B, H, n] float32 (H2O's score).
 
-    Weights are rebuilt tile by tile (``chunk`` queries × ``key_block`` keys, small enough to stay
-    in cache) as exp(τ·qᵀk − lse) over the visible keys only (a query sees the keys up to itself,
-    never padding), so the n × n matrix never exists."""
+    ``chunk`` queries at a time (the whole GQA group folded into the rows), each against the keys
+    up to its last query: the weights P are computed once in float32 and give both the output P·V
+    and the column sums 1ᵀ·P, so the n × n weights never exist. A query that sees nothing (a padded
+    row) gets output 0 and no vote."""
     b, hq, n, d = query.shape
     heads = key.shape[1]
     groups = hq // heads
     bh = b * heads
     q = query.float().reshape(bh, groups, n, d)
     k_t = key.float().reshape(bh, n, d).transpose(1, 2)  # [BH, d, n]
-    neg_lse = (-lse.float()).reshape(bh, groups, n)
-    key_ok = None if token_valid is None else token_valid.to(query.device).repeat_interleave(heads, dim=0)  # [BH, n]
+    v = value.float().reshape(bh, n, d)
+    voting = None if token_valid is None else token_valid.to(query.device).repeat_interleave(heads, dim=0).float()  # [BH, n]
+    ones = torch.ones(bh, 1, groups * chunk, dtype=torch.float32, device=query.device)
+    out = torch.empty(bh, groups, n, d, dtype=torch.float32, device=query.device)
     total = torch.zeros(bh, n, dtype=torch.float32, device=query.device)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         c = end - start
-        rows = q[:, :, start:end].reshape(bh, groups * c, d)
-        bias = neg_lse[:, :, start:end].reshape(bh, groups * c, 1)
-        voters = torch.ones(bh, 1, groups * c, device=query.device)  # Σ over the rows as one matrix-vector product
-        padding = None if key_ok is None else ~key_ok[:, None, start:end].expand(-1, groups, c).reshape(bh, groups * c, 1)
-        for first in range(0, end, key_block):
-            last = min(end, first + key_block)
-            logits = torch.baddbmm(bias.expand(-1, -1, last - first), rows, k_t[:, :, first:last], alpha=scaling)
-            if last - 1 > start:  # some key of the block comes after some query of the chunk: hide it
-                after = torch.arange(first, last, device=query.device) > torch.arange(start, end, device=query.device)[:, None]
-                logits.view(bh, groups, c, last - first).masked_fill_(after, float("-inf"))
-            if key_ok is not None:  # padding is never seen, and padding queries do not vote
-                logits.masked_fill_(~key_ok[:, None, first:last], float("-inf")).masked_fill_(padding, float("-inf"))
-            total[:, first:last] += torch.bmm(voters, logits.exp_())[:, 0]
-    return (total / groups).view(b, heads, n)
+        logits = torch.bmm(q[:, :, start:end].reshape(bh, groups * c, d), k_t[:, :, :end]).mul_(scaling)  # [BH, G·c, end]
+        if mask is None:  # keys after a query are hidden: only the chunk's own diagonal block has any
+            after = torch.arange(start, end, device=query.device)[:, None] < torch.arange(start, end, device=query.device)
+            logits.view(bh, groups, c, end)[..., start:end].masked_fill_(after, float("-inf"))
+        else:
+            logits.view(b, heads, groups, c, end).add_(_mask_bias(mask[:, :, start:end, :end], heads, groups))
+        weights = torch.softmax(logits, dim=-1)
+        if mask is not None:
+            weights.nan_to_num_(0.0)  # a row that sees nothing (padding): output 0, no vote
+        out[:, :, start:end] = torch.bmm(weights, v[:, :end]).view(bh, groups, c, d)
+        votes = ones[:, :, : groups * c] if voting is None else voting[:, None, start:end].expand(bh, groups, c)  # padding does not vote
+        total[:, :end] += torch.bmm(votes.reshape(bh, 1, groups * c), weights)[:, 0]
+    return out.view(b, hq, n, d).to(query.dtype), (total / groups).view(b, heads, n)
 
 
-__all__ = ["prompt_attention", "prompt_column_sums", "read_exact", "read_masked", "repeat_kv"]
+def _mask_bias(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """transformers' mask slice [B, 1 | Hq, c, k] (bool: True = seen, or additive) → an additive float32
+    bias broadcastable to [B, H, G, c, k]."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf")) \
+        if mask.dtype == torch.bool else mask.float()
+    if bias.shape[1] == 1:
+        return bias[:, :, None]
+    return bias.view(bias.shape[0], heads, groups, *bias.shape[2:])
+
+
+__all__ = ["prompt_attention", "prompt_attention_with_sums", "read_exact", "read_masked", "repeat_kv"]
