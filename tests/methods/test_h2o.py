@@ -114,3 +114,16 @@ def test_prompt_pass_in_half_precision_is_finite(dtype):
     out, sums = prompt_attention_with_sums((torch.randn(1, 4, 40, 8, generator=g) * 30).to(dtype), keys, keys, 1.0, chunk=16)
     assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(sums).all()
     assert torch.allclose(sums.sum(-1), torch.full((1, 2), 40.0), atol=1e-3)  # every query's weights sum to one
+
+
+def test_prompt_pass_under_autograd_equals_the_buffered_pass():
+    """With gradients recorded the pass allocates per chunk instead of reusing one buffer: same numbers."""
+    g = torch.Generator().manual_seed(5)
+    queries, keys, values = (torch.randn(1, 4, 30, 8, generator=g), torch.randn(1, 2, 30, 8, generator=g),
+                             torch.randn(1, 2, 30, 8, generator=g))
+    out, sums = prompt_attention_with_sums(queries, keys, values, 0.4, chunk=7)
+    tracked = queries.clone().requires_grad_(True)
+    out_t, sums_t = prompt_attention_with_sums(tracked, keys, values, 0.4, chunk=7)
+    out_t.sum().backward()
+    assert torch.equal(out, out_t.detach()) and torch.equal(sums, sums_t.detach())
+    assert tracked.grad is not None and torch.isfinite(tracked.grad).all()

@@ -115,41 +115,53 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def prompt_attention_with_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                                mask: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
-                               chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                               chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal prompt attention and its column sums in one pass: output [B, Hq, n, d] (the query's
     dtype) and Σ over the prompt's (real) queries of each entry's weight, mean over the GQA group,
     [B, H, n] float32 (H2O's score).
 
-    ``chunk`` queries at a time (the whole GQA group folded into the rows), each against the keys
-    up to its last query: the weights P are computed once in float32 and give both the output P·V
-    and the column sums 1ᵀ·P, so the n × n weights never exist. A query that sees nothing (a padded
-    row) gets output 0 and no vote."""
+    ``chunk`` queries at a time (default: about 512 weight rows over every KV head and its group),
+    each against the keys up to its last query: the float32 weights are computed once, in one
+    buffer reused by every chunk, exponentiated in place (row max subtracted), and give the output
+    P·V, its row sums (a column of ones beside V) and the column sums (1/Σ)ᵀ·P — the n × n matrix
+    never exists. A query that sees nothing (a padded row) gets output 0 and no vote."""
     b, hq, n, d = query.shape
     heads = key.shape[1]
     groups = hq // heads
     bh = b * heads
-    q = query.float().reshape(bh, groups, n, d)
+    chunk = chunk or max(8, 512 // (bh * groups))
+    device = query.device
+    q = (query.float() * scaling).reshape(bh, groups, n, d)
     k_t = key.float().reshape(bh, n, d).transpose(1, 2)  # [BH, d, n]
-    v = value.float().reshape(bh, n, d)
-    voting = None if token_valid is None else token_valid.to(query.device).repeat_interleave(heads, dim=0).float()  # [BH, n]
-    ones = torch.ones(bh, 1, groups * chunk, dtype=torch.float32, device=query.device)
-    out = torch.empty(bh, groups, n, d, dtype=torch.float32, device=query.device)
-    total = torch.zeros(bh, n, dtype=torch.float32, device=query.device)
+    v_ones = torch.cat([value.float().reshape(bh, n, d), torch.ones(bh, n, 1, device=device)], dim=-1)  # [BH, n, d + 1]
+    voting = None if token_valid is None else token_valid.to(device).repeat_interleave(heads, dim=0).float()  # [BH, n]
+    out = torch.empty(bh, groups, n, d, dtype=torch.float32, device=device)
+    total = torch.zeros(bh, n, dtype=torch.float32, device=device)
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    buffer = None if tracked else torch.empty(bh * groups * min(chunk, n) * n, dtype=torch.float32, device=device)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         c = end - start
-        logits = torch.bmm(q[:, :, start:end].reshape(bh, groups * c, d), k_t[:, :, :end]).mul_(scaling)  # [BH, G·c, end]
-        if mask is None:  # keys after a query are hidden: only the chunk's own diagonal block has any
-            after = torch.arange(start, end, device=query.device)[:, None] < torch.arange(start, end, device=query.device)
-            logits.view(bh, groups, c, end)[..., start:end].masked_fill_(after, float("-inf"))
+        rows = q[:, :, start:end].reshape(bh, groups * c, d)
+        if buffer is None:  # autograd records the pass: no reused buffer
+            weights = torch.bmm(rows, k_t[:, :, :end])
         else:
-            logits.view(b, heads, groups, c, end).add_(_mask_bias(mask[:, :, start:end, :end], heads, groups))
-        weights = torch.softmax(logits, dim=-1)
-        if mask is not None:
-            weights.nan_to_num_(0.0)  # a row that sees nothing (padding): output 0, no vote
-        out[:, :, start:end] = torch.bmm(weights, v[:, :end]).view(bh, groups, c, d)
-        votes = ones[:, :, : groups * c] if voting is None else voting[:, None, start:end].expand(bh, groups, c)  # padding does not vote
-        total[:, :end] += torch.bmm(votes.reshape(bh, 1, groups * c), weights)[:, 0]
+            weights = torch.bmm(rows, k_t[:, :, :end], out=buffer[: bh * groups * c * end].view(bh, groups * c, end))
+        if mask is None:  # keys after a query are hidden: only the chunk's own diagonal block has any
+            after = torch.arange(start, end, device=device)[:, None] < torch.arange(start, end, device=device)
+            weights.view(bh, groups, c, end)[..., start:end].masked_fill_(after, float("-inf"))
+        else:
+            weights.view(b, heads, groups, c, end).add_(_mask_bias(mask[:, :, start:end, :end], heads, groups))
+        peak = weights.detach().amax(-1, keepdim=True)  # a constant shift (softmax ignores it): no gradient
+        weights.sub_(peak.masked_fill_(peak == float("-inf"), 0.0)).exp_()  # unnormalized, ≤ 1
+        attended = torch.bmm(weights, v_ones[:, :end])  # [BH, G·c, d + 1]: P·V and the row sums
+        norm = attended[..., d:]
+        inv = torch.where(norm > 0, norm.reciprocal(), 0.0)  # a row that sees nothing: output 0, no vote
+        out[:, :, start:end] = attended[..., :d].mul_(inv).view(bh, groups, c, d)
+        votes = inv.view(bh, 1, groups * c)
+        if voting is not None:  # padding queries do not vote
+            votes = votes * voting[:, None, None, start:end].expand(bh, 1, groups, c).reshape(bh, 1, groups * c)
+        total[:, :end] += torch.bmm(votes, weights)[:, 0]
     return out.view(b, hq, n, d).to(query.dtype), (total / groups).view(b, heads, n)
 
 
