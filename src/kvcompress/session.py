@@ -320,7 +320,7 @@ class Session:
                     select = None
                     if self.method.selects:
                         context = dataclasses.replace(self.context(i, query[:, :, at], positions[:, at]),
-                                          tokens_seen=layer.tokens_seen + t + 1, step=scratch)
+                                                      tokens_seen=layer.tokens_seen + t + 1, step=scratch)
                         select = self.method.select(view, context)
                     outputs[i].append(read(query[:, :, at], positions[:, at], view, layer.scaling, select=select).out)
         finally:
