@@ -49,20 +49,22 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
     full.recorder = {}
     chunk_logits = model(continuation, past_key_values=full, use_cache=True).logits[0, :-1].float()
     steps = [full.recorder[idx][:4] for idx in range(len(full.layers))]  # each layer's queries, keys, values, positions
-    references = {False: ([full.recorder[idx][4] for idx in range(len(full.layers))], chunk_logits)}
     targets = continuation[0, 1:]
+    references = {False: ([full.recorder[idx][4] for idx in range(len(full.layers))], chunk_logits,
+                          F.cross_entropy(chunk_logits, targets))}
 
     rows = []
     for method in tqdm([shared.method, *methods], desc="diagnose", disable=not progress):
         stepwise = method.selects  # a chunk reads everything: a method that selects is decoded token by token
         if stepwise not in references:  # the full cache decoded the same way, so that nothing lost reads as 0
-            references[stepwise] = continuation_fidelity(model, shared.fork(shared.method), continuation, steps, stepwise)
+            outputs, logits = continuation_fidelity(model, shared.fork(shared.method), continuation, steps, stepwise)
+            references[stepwise] = (outputs, logits, F.cross_entropy(logits, targets))
         compressed = shared.fork(method)
         stats = compressed.stats()
         outputs, logits = continuation_fidelity(model, compressed, continuation, steps, stepwise)
         if stepwise:  # the share of entries its decoding steps read
             stats["cr"] = compressed.stats()["cr"]
-        full_outputs, full_logits = references[stepwise]
+        full_outputs, full_logits, full_nll = references[stepwise]
         errors = [float((out.float() - ref.float()).norm() / ref.float().norm()) for out, ref in zip(outputs, full_outputs)]
         kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(full_logits, -1), log_target=True, reduction="batchmean")
         nll = F.cross_entropy(logits, targets)
@@ -70,7 +72,7 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
             "method": method.variant, "budget": method.budget, "ratio": method.ratio, "label": method.label,
             "kr": stats["kr"], "cr": stats["cr"],
             "rel_error_per_layer": errors, "rel_error": sum(errors) / len(errors),
-            "kl": float(kl), "ppl_ratio": float(torch.exp(nll - F.cross_entropy(full_logits, targets))),
+            "kl": float(kl), "ppl_ratio": float(torch.exp(nll - full_nll)),
             "rel_error_at_merge": 0.0 if method.name == "full" else compressed.merge_error,
             **({"merge_counts": stats["merge_counts"]} if "merge_counts" in stats else {}),
         })
