@@ -180,3 +180,36 @@ def test_save_load_round_trip_and_clear_errors(model, gates_dir, tmp_path):
         run_eval(model, tiny_tokenizer(), settings, progress=False, on_prediction=lambda p: pytest.fail("a run started"))
     with pytest.raises(ValueError, match="is not a folder"):
         kvc.get_method("retention", budget=8, checkpoint=str(tmp_path / "missing"))
+
+
+def test_the_shipped_checkpoint_is_chosen_by_the_model(model, tmp_path, monkeypatch):
+    """No checkpoint=: the folder named like the model, else the one whose shapes fit, else a clear error."""
+    from types import SimpleNamespace
+
+    import kvcompress.methods.shipped as shipped
+
+    monkeypatch.setattr(shipped, "DATA", tmp_path)
+    RetentionGates(LAYERS, HEADS, HIDDEN, width=8, c_init=2.0, seed=1).save(tmp_path / "retention" / "tiny-a", model="tiny-a")
+    RetentionGates(LAYERS, HEADS, HIDDEN, width=8, c_init=3.0, seed=2).save(tmp_path / "retention" / "tiny-b", model="tiny-b")
+    RetentionGates(5, HEADS, HIDDEN, width=8).save(tmp_path / "retention" / "five-layers", model="five-layers")
+    shapes = {"num_layers": LAYERS, "num_kv_heads": HEADS, "hidden_size": HIDDEN}
+
+    named = SimpleNamespace(_name_or_path="/cache/models/TINY-B")
+    assert shipped.shipped_checkpoint("retention", named, shapes).name == "tiny-b"
+    with pytest.raises(ValueError, match="shipped: five-layers, tiny-a, tiny-b"):  # two fit: no guessing
+        shipped.shipped_checkpoint("retention", SimpleNamespace(_name_or_path=""), shapes)
+    assert shipped.shipped_checkpoint("retention", SimpleNamespace(), {**shapes, "num_layers": 5}).name == "five-layers"
+    with pytest.raises(ValueError, match="train one with `kvcompress train deltakv"):
+        shipped.shipped_checkpoint("deltakv", named, shapes)
+
+    method = kvc.get_method("retention", budget=8)
+    monkeypatch.setattr(model.config, "_name_or_path", "somewhere/tiny-a")
+    method.check_model(model.config)
+    assert method.gates.c.item() == 2.0
+    monkeypatch.setattr(model.config, "_name_or_path", "somewhere/tiny-b")
+    method.check_model(model.config)  # the same method object on another model takes that model's gates
+    assert method.gates.c.item() == 3.0
+    expected = RetentionGates.load(tmp_path / "retention" / "tiny-b")
+    assert all(torch.equal(t, expected.state_dict()[n]) for n, t in method.gates.state_dict().items())
+    out = kvc.generate(model, tiny_tokenizer(), _words(60), "w1", method, max_new_tokens=2)  # runs on them end to end
+    assert 0 < out.stats["kr"] < 1.0

@@ -127,7 +127,7 @@ BAD = [
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "ratio": 1.5}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "quest", "ratio": 0.5, "compress_with": 5}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "kivi"}}, 400, "kv_compression"),  # not in the engine yet
-    # the shipped retention gates fit the embedded model, not this tiny one
+    # no retention gates are shipped for this tiny model
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "retention", "budget": 8}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 10_000}, 400, "max_tokens"),

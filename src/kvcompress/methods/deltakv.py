@@ -12,8 +12,9 @@ import torch
 
 from ..store.deltakv import DeltaKVCodec, DeltaKVWeights
 from .base import Method
+from .shipped import DATA, load_shipped, shipped_checkpoint
 
-SHIPPED = Path(__file__).resolve().parents[1] / "data" / "deltakv"  # one folder per model with a shipped checkpoint
+SHIPPED = DATA / "deltakv"  # one folder per model with a shipped checkpoint
 EMBEDDED = "smollm2-135m-instruct"
 
 
@@ -27,7 +28,7 @@ class DeltaKV(Method):
     only the entries that method reads are rebuilt.
 
     Options:
-        checkpoint: a folder from ``kvcompress train deltakv`` (None: the one shipped for the embedded model).
+        checkpoint: a folder from ``kvcompress train deltakv`` (None: the one shipped for the model).
         bits: None keeps codes in the model's dtype (the paper's accounting); 4 stores each token's code in
             4 bits with a 16-bit zero point and scale.
         full_layers: layers left uncoded (the paper's hybrid layers; None: the checkpoint's choice).
@@ -63,17 +64,22 @@ class DeltaKV(Method):
 
     @cached_property
     def weights(self) -> DeltaKVWeights:
+        """The codec: ``checkpoint``'s, else the one shipped for the model ``check_model`` saw (the embedded
+        model's before it has seen one)."""
         if self.checkpoint is None and not (SHIPPED / EMBEDDED).is_dir():
             raise ValueError("deltakv: no checkpoint shipped in this install; train one with `kvcompress train deltakv "
                              "--out DIR` and pass checkpoint=DIR")
         return DeltaKVWeights.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / EMBEDDED)
 
     def check_model(self, config) -> None:
-        dims = self.weights.dims
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         ours = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+        if self.checkpoint is None:
+            folder = shipped_checkpoint("deltakv", config, dict(zip(("num_layers", "num_kv_heads", "head_dim"), ours)))
+            self.__dict__["weights"] = load_shipped(DeltaKVWeights.load, folder)  # the cached_property's slot
+        dims = self.weights.dims
         if (dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]) != ours:
-            where = self.checkpoint or "the shipped checkpoint (the embedded SmolLM2-135M-Instruct)"
+            where = self.checkpoint or "the shipped checkpoint"
             raise ValueError(f"deltakv: {where} codes {dims['num_layers']} layers × {dims['num_kv_heads']} KV heads × head dim "
                              f"{dims['head_dim']}, this model has {ours[0]} × {ours[1]} × {ours[2]}; train a codec for it with "
                              "`kvcompress train deltakv --model M --out DIR` and pass checkpoint=DIR")

@@ -11,7 +11,8 @@ entries' β join the ranking and the cache is cut back to M whenever it holds mo
 M + ``buffer``.
 
 The gates are trained on the frozen model (``kvcompress train retention``, ``train/retention.py``);
-``checkpoint=DIR`` loads them, and without it the checkpoint shipped for the embedded model is used.
+``checkpoint=DIR`` loads them, and without it the checkpoint shipped for the model is used (``methods/shipped.py``:
+SmolLM2-135M-Instruct's and Qwen2.5-Coder-0.5B-Instruct's ship).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from torch import nn
 
 from ..store.view import Edit, KVView, LayerContext
 from .base import PROTECTED_PRIORITY, Needs, ScoreMethod, global_sizes, plus_protected, top_per_head
+from .shipped import DATA, load_shipped, shipped_checkpoint
 
 LOG_BETA = "retention_log_beta"
-SHIPPED = Path(__file__).resolve().parents[1] / "data" / "retention"  # one folder per model with a shipped checkpoint
+SHIPPED = DATA / "retention"  # one folder per model with a shipped checkpoint
+EMBEDDED = "smollm2-135m-instruct"
 
 
 class RetentionGates(nn.Module):
@@ -98,7 +101,7 @@ class Retention(ScoreMethod):
     """Learned retention gates ranked over every layer and head under one budget (seed 001).
 
     Options: checkpoint (a folder from ``kvcompress train retention``; None = the one shipped for the
-    embedded model), horizon (H of the score; 1 = myopic), buffer (entries over the budget before a
+    model it runs on), horizon (H of the score; 1 = myopic), buffer (entries over the budget before a
     re-rank while decoding), plus ScoreMethod's: ``layer_budgets="global"`` by default (the paper's);
     "uniform" with ``head_budgets`` uniform or adaptive are the per-layer / per-head ablations.
     """
@@ -125,21 +128,28 @@ class Retention(ScoreMethod):
 
     @cached_property
     def gates(self) -> RetentionGates:
-        return RetentionGates.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / "smollm2-135m-instruct")
+        """The gates: ``checkpoint``'s, else those shipped for the model ``check_model`` saw (the embedded
+        model's before it has seen one)."""
+        return RetentionGates.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / EMBEDDED)
 
     def check_model(self, config) -> None:
         super().check_model(config)
+        if self.checkpoint is None:
+            folder = shipped_checkpoint("retention", config, {"num_layers": config.num_hidden_layers,
+                                                              "num_kv_heads": config.num_key_value_heads,
+                                                              "hidden_size": config.hidden_size})
+            self.__dict__["gates"] = load_shipped(RetentionGates.load, folder)  # the cached_property's slot
         self._gates_for(config.num_hidden_layers, config.num_key_value_heads, config.hidden_size)
 
     def _gates_for(self, layers: int, heads: int, hidden: int) -> RetentionGates:
         """The gates, checked against the model they score for."""
-        if self.checkpoint is None and not (SHIPPED / "smollm2-135m-instruct").is_dir():
+        if self.checkpoint is None and "gates" not in self.__dict__ and not (SHIPPED / EMBEDDED).is_dir():
             raise ValueError("retention: no checkpoint shipped in this install; train one with `kvcompress train retention "
                              "--out DIR` and pass checkpoint=DIR")
         gates = self.gates
         dims = gates.dims
         if (dims["num_layers"], dims["num_kv_heads"], dims["hidden_size"]) != (layers, heads, hidden):
-            where = self.checkpoint or "the shipped checkpoint (the embedded SmolLM2-135M-Instruct)"
+            where = self.checkpoint or "the shipped checkpoint"
             raise ValueError(f"retention: {where} has gates for {dims['num_layers']} layers × {dims['num_kv_heads']} KV heads "
                              f"× hidden {dims['hidden_size']}, this model has {layers} × {heads} × {hidden}; train gates for it "
                              "with `kvcompress train retention --model M --out DIR` and pass checkpoint=DIR")
