@@ -92,6 +92,44 @@ def test_admission_by_compressed_size_fits_more_requests():
     assert all(len(o.token_ids) == 8 for o in outs) and snap.pool.num_used == 0
 
 
+@pytest.mark.parametrize("spec", ["kivi:bits=4:group_size=16:residual=8", 'snapkv:budget=40:window=8:codec="kivi:bits=2:group_size=16:residual=8"'])
+def test_kivi_coded_requests_equal_the_single_request_cache(spec):
+    """Coded storage in the engine: the same tokens as the single-request cache with the same codec, entries
+    coded in blocks as they arrive (the prompts span several blocks; decoding codes more)."""
+    from kvcompress.methods import method_from_spec
+
+    model = sharp_model(seed=2)
+    method = method_from_spec(spec)
+    llm = make_llm(model)
+    prompts = prompts_of([64, 90, 41], seed=3)
+    outs = run_staggered(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), method, every=3)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(model, prompt, 24, method), spec
+        assert out.stats["kr"] < 0.6
+    assert llm.pool.used_bytes == 0 and llm.pool.tiers and all(int(t.refs.sum()) == 0 for t in llm.pool.tiers)
+
+
+def test_coded_requests_fit_more_in_the_same_budget_and_never_exceed_it():
+    """The pool is one byte budget for plain slots and coded blocks: 2-bit KIVI runs more requests at once
+    than the full cache in the same kv_memory, and the bytes held never pass it."""
+    model = sharp_model()
+    memory = 128 * 4 * 400  # 400 tokens' worth of plain slots: one 300-token prompt in full
+    prompts = prompts_of([300] * 4, seed=4)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    full = make_llm(model, kv_memory=memory)
+    full.generate(prompts, params)
+    kivi = make_llm(model, kv_memory=memory)
+    held = []
+    kivi.scheduler.make_room = lambda make_room=kivi.scheduler.make_room: held.append(kivi.pool.used_bytes) or make_room()
+    outs = kivi.generate(prompts, params, method=kvc.get_method("kivi", bits=2, group_size=16, residual=8))
+    assert full.stats()["max_concurrent"] == 1
+    assert kivi.stats()["max_concurrent"] >= 3 and kivi.stats()["preemptions"] == 0
+    assert max(held) > full.stats()["pool_peak_bytes"] / 2  # the coded requests filled the same budget
+    assert kivi.stats()["pool_peak_bytes"] <= kivi.pool.capacity_bytes == full.pool.capacity_bytes
+    assert all(o.token_ids == reference(model, p, 8, kvc.get_method("kivi", bits=2, group_size=16, residual=8))
+               for p, o in zip(prompts, outs))
+
+
 def test_preempted_requests_are_recomputed_and_complete():
     """A method that keeps more than estimated (GVote reserves the prompt, but full decoding grows): with a
     tight pool the newest request is preempted, recomputed, and still answers exactly as alone."""
@@ -180,7 +218,7 @@ def test_pool_accounting_never_leaks(lengths, max_tokens, memory, abort, seed):
     model = MODEL
     llm = make_llm(model, kv_memory=memory, max_num_seqs=4)
     methods = [kvc.get_method("snapkv", budget=8, window=4), None, kvc.get_method("h2o", budget=10),
-               kvc.get_method("keepkv", budget=9, window=4)]
+               kvc.get_method("keepkv", budget=9, window=4), kvc.get_method("kivi", bits=2, group_size=16, residual=8)]
     prompts = prompts_of(lengths, seed=seed)
     ids = []
     for step in range(200):
@@ -190,12 +228,12 @@ def test_pool_accounting_never_leaks(lengths, max_tokens, memory, abort, seed):
         if step == 2 and 0 <= abort < len(ids):
             llm.abort(ids[abort])
         llm.step()
-        held = sum(int(r.session.table.held_slots().numel()) for r in llm.scheduler.running if r.session is not None)
-        assert llm.pool.num_used == held
+        sessions = [r.session for r in llm.scheduler.running if r.session is not None]
+        assert llm.pool.used_bytes == sum(llm.pool.held_bytes(s.table.held_slots()) for s in sessions) <= memory
         if step >= len(prompts) and not llm.has_unfinished():
             break
     assert not llm.has_unfinished()
-    assert llm.pool.num_used == 0 and int(llm.pool.refs.sum()) == 0
+    assert llm.pool.used_bytes == 0 and int(llm.pool.refs.sum()) == 0 and all(int(t.refs.sum()) == 0 for t in llm.pool.tiers)
     for i in ids:
         out = llm.output(i)
         assert out.finish_reason in ("length", "abort", "error")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from common import layers_of, tiny_codec, tiny_model
+from common import layers_of, tiny_codec, tiny_method, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress import CompressedCache, get_method
 from kvcompress.methods import method_from_spec
@@ -237,3 +237,14 @@ def test_sessions_of_one_method_share_its_codec_tiers():
     forks = [shared.fork(method) for _ in range(20)]  # more than a pool's 15 tiers, were each fork to make its own
     assert len(shared.session.pool.tiers) == 2 and method.coder() is method.coder()  # codes and references
     assert all(torch.equal(f.session.view(1).keys, forks[0].session.view(1).keys) for f in forks)
+
+
+def test_the_engine_refuses_deltakv_with_a_clear_error():
+    from engine.test_llm import make_llm, sharp_model
+
+    model = sharp_model(seed=1, layers=2)
+    llm = make_llm(model)
+    for method in (tiny_method("deltakv", model), tiny_method("omnikv", model, ratio=0.5, codec=f'deltakv:checkpoint="{tiny_codec(model)}"')):
+        with pytest.raises(ValueError, match="DeltaKV's coded storage is not in the engine yet"):
+            llm.generate([[5, 6, 7]], method=method)
+    assert not llm.has_unfinished() and llm.pool.used_bytes == 0

@@ -113,15 +113,6 @@ def test_bad_codecs_fail_clearly():
         get_method("snapkv", ratio=0.5, codec=4)
 
 
-def test_the_engine_refuses_coded_storage_with_a_clear_error():
-    from engine.test_llm import make_llm, sharp_model
-
-    llm = make_llm(sharp_model(seed=1, layers=2))
-    with pytest.raises(ValueError, match="not in the engine yet"):
-        llm.generate([[5, 6, 7]], method=get_method("kivi"))
-    assert not llm.has_unfinished()
-
-
 def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypatch):
     """``omnikv:codec="kivi"``: the layers after a filter layer decode only the entries they select."""
     from kvcompress.store.codecs import KiviCodec

@@ -4,8 +4,9 @@
     outs = llm.generate(prompts, kvc.SamplingParams(max_tokens=64), method=kvc.get_method("snapkv", ratio=0.1))
     llm.stats()
 
-The pool is allocated once from ``kv_memory``; nothing else grows with the number of
-requests. Each step admits the waiting requests that fit (prefilled one by one, compressed by
+The pool is a budget of ``kv_memory`` bytes: plain entries and coded blocks (KIVI) together
+never hold more, and its arrays grow with the load up to it; nothing else grows with the
+number of requests. Each step admits the waiting requests that fit (prefilled one by one, compressed by
 their own method), then decodes every running request in one batched forward; requests
 finish on their own (max_tokens, end of sequence, a stop string) and give their slots back.
 ``add_request`` / ``step`` / ``abort`` drive the same loop one step at a time (the server).
@@ -60,7 +61,8 @@ class LLM:
         if slots < facts.num_layers * facts.num_kv_heads:
             raise ValueError(f"kv_memory={self.config.kv_memory} bytes holds {slots} KV slots: not even one token "
                              f"({facts.num_layers * facts.num_kv_heads} slots); give more kv_memory")
-        self.pool = SlotPool(facts.head_dim, dtype=weight.dtype, device=weight.device, capacity=slots)
+        self.pool = SlotPool(facts.head_dim, dtype=weight.dtype, device=weight.device, capacity=slots,
+                             initial=max(slots // 8, facts.num_layers * facts.num_kv_heads))
         self.scheduler = Scheduler(self.pool, facts.num_layers, facts.num_kv_heads, max_num_seqs)
         self.runner = ModelRunner(self.model, self.pool)
         self._eos = eos_ids(self.model, self.tokenizer)
@@ -147,7 +149,6 @@ class LLM:
             for request, row in zip(decoding, logits):
                 self._accept(request, row)
             touched += decoding
-        self._stats["pool_peak_slots"] = max(self._stats["pool_peak_slots"], self.pool.num_used)
         return touched
 
     def _prefill(self, request: Request) -> list[Request]:
@@ -232,12 +233,13 @@ class LLM:
     # ----- statistics ---------------------------------------------------------------------------
     def _reset_stats(self) -> None:
         self._stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0, "max_concurrent": 0,
-                       "pool_peak_slots": self.pool.num_used, "preemptions_at_start": self.scheduler.preemptions}
+                       "preemptions_at_start": self.scheduler.preemptions}
+        self.pool.peak_bytes = self.pool.used_bytes
 
     def stats(self) -> dict[str, Any]:
         """Since the last ``generate``: max_concurrent, decode_tokens_per_s, prefill_tokens_per_s, preemptions,
         pool_capacity_bytes, pool_used_bytes (0 when nothing runs), pool_peak_bytes."""
-        s, per_slot = self._stats, self.pool.bytes_per_slot
+        s = self._stats
         return {
             "max_concurrent": s["max_concurrent"],
             "decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
@@ -247,15 +249,18 @@ class LLM:
             "preemptions": self.scheduler.preemptions - s["preemptions_at_start"],
             "pool_capacity_bytes": self.pool.capacity_bytes,
             "pool_used_bytes": self.pool.used_bytes,
-            "pool_peak_bytes": s["pool_peak_slots"] * per_slot,
+            "pool_peak_bytes": self.pool.peak_bytes,
+            "pool_allocated_bytes": self.pool.allocated_bytes,
         }
 
 
 def check_servable(method: Method) -> None:
-    """The engine's fixed pool admits requests by plain slots: coded storage is not served yet."""
-    if method.codec is not None or type(method).storage is not Method.storage:
-        raise ValueError(f"{method.label}: coded storage (kivi, deltakv, codec=) is not in the engine yet; "
-                         "use kvc.generate, eval or bench without --engine for it")
+    """The engine serves plain and KIVI-coded storage; DeltaKV's codes (a token over every head, holding its
+    references) are not in it yet."""
+    coder = method.coder() or method
+    if coder.name == "deltakv":
+        raise ValueError(f"{method.label}: DeltaKV's coded storage is not in the engine yet; use kvc.generate, eval or "
+                         "bench without --engine for it (kivi and codec=\"kivi\" are served)")
 
 
 __all__ = ["LLM", "check_servable"]

@@ -1,9 +1,10 @@
 """Which requests run: admission by compressed size, continuous batching, preemption.
 
-Memory is counted in pool slots (one slot = one entry of one KV head at one layer). A request
-is admitted when the pool can hold its prefill — the prompt of the layer being compressed,
-plus what the method keeps of every layer — on top of the decoding room reserved for the
-requests already running; its own decoding room is reserved from then on. A method whose
+Memory is counted in pool slots (one slot = one plain entry of one KV head at one layer; coded
+entries (KIVI) count the bytes of their blocks, in slots). A request is admitted when the pool
+can hold its prefill — the prompt of the layer being compressed, plus what the method keeps of
+every layer, coded if its method codes — on top of the decoding room reserved for the requests
+already running; its own decoding room is reserved from then on. A method whose
 size is unknown before it has seen the prompt (GVote, ``full``) reserves the whole prompt.
 When a decoding step would not fit (a method kept more than expected), the newest running
 request is preempted: its slots are freed and it waits again, to be recomputed from its
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..store.slots import SlotPool
+from ..store.slots import SlotPool, field_bytes
 from .request import Request, Status
 
 
@@ -38,21 +39,51 @@ class Scheduler:
         kept = request.method.kept_per_head(n)
         return n if kept is None else min(n, kept)
 
+    def held(self, request: Request, entries: int) -> int:
+        """Slots' worth of pool bytes for ``entries`` per layer and head, stored as the request's method stores
+        them: plain slots, or with a codec the newest (its recent window and up to two uncoded blocks) plain
+        and the rest in whole coded blocks."""
+        coded = self._coded(request)
+        if coded is None:
+            return entries * self.per_token
+        block_size, block_bytes, recent = coded
+        plain = min(entries, recent + 2 * block_size)
+        blocks = -(-(entries - plain) // block_size)
+        return plain * self.per_token + -(-self.per_token * blocks * block_bytes // self.pool.bytes_per_slot)
+
+    def _coded(self, request: Request) -> tuple[int, int, int] | None:
+        """(block size, bytes of a block, recent entries kept plain) of the request's codec; None: plain."""
+        storage = request.method.storage(self.pool.dtype)
+        if storage is None:
+            return None
+        codec, recent = storage
+        return codec.block_size, field_bytes(codec.fields(self.pool.head_dim, self.pool.dtype)), recent
+
     def peak(self, request: Request) -> int:
-        """Slots the request needs while its prompt is prefilled and compressed: one layer's prompt at a time,
-        or every layer's for a method that plans over all layers before cutting any (a global budget)."""
+        """Slots the request needs while its prompt is prefilled and compressed: one layer's prompt at a time
+        beside what the layers before it kept (coded), or every layer's prompt for a method that plans over all
+        layers before cutting any (a global budget) or keeps all of it plain (``full``)."""
         n, kept = len(request.tokens), self.kept(request)
-        if kept >= n or request.method.plans_globally:
+        if request.method.plans_globally or (kept >= n and self._coded(request) is None):
             return n * self.per_token
-        return kept * self.per_token + (n + kept) * self.num_kv_heads  # one layer's prompt (+ rewritten entries) at a time
+        rewritten = kept if kept < n else 0  # an eviction may rewrite what it keeps (a merge's carriers)
+        return self.held(request, kept) + (n + rewritten) * self.num_kv_heads  # one layer's prompt at a time, plain
 
     def growth(self, request: Request) -> int:
-        """Slots the request may still take while decoding: a token per layer and head per step."""
-        return (request.params.max_tokens - len(request.output_ids)) * self.per_token
+        """Slots the request may still take while decoding: a token per layer and head per step (coded in
+        blocks as they fill, for a method that codes)."""
+        kept = self.kept(request)
+        return self.held(request, kept + request.params.max_tokens - len(request.output_ids)) - self.held(request, kept)
 
     def step_room(self, requests: list[Request]) -> int:
-        """Slots a decoding step may take at once: a new entry and a rewritten one per layer and head."""
-        return 2 * self.per_token * len(requests)
+        """Slots a decoding step may take at once: a new entry and a rewritten one per layer and head, and a
+        block per layer and head that a coding request may code before its plain entries go."""
+        room = 2 * self.per_token * len(requests)
+        for request in requests:
+            coded = self._coded(request)
+            if coded is not None:
+                room += -(-self.per_token * coded[1] // self.pool.bytes_per_slot)
+        return room
 
     # ----- queues ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:

@@ -5,9 +5,11 @@
   any number of entries within one memory budget. Slot 0 is never handed out (padded
   tables point at it). A free list hands out and takes back slots; reference counts let
   forks of a sequence share entries (a slot is free again when its last holder lets it go).
-  A fixed pool (``capacity=``, the engine) raises ``PoolExhausted`` when full; a growable
-  one (the single-request cache) doubles. Coded entries (KIVI) live in tiers beside the
-  plain slots: tier t ≥ 1 is a growable pool of blocks of one codec, and an entry id
+  A fixed pool (``capacity=``, the engine) is a byte budget of ``capacity`` plain slots: its
+  plain slots and its coded blocks together never hold more, and it raises ``PoolExhausted``
+  when full; its arrays grow as entries arrive, up to the budget. A growable one (the
+  single-request cache) grows by 1.5×. Coded entries (KIVI) live in tiers beside the plain
+  slots: tier t ≥ 1 is a pool of blocks of one codec, and an entry id
   ``t << TIER_SHIFT | block · block_size + offset`` names an entry inside a block; a block
   is held once per entry naming it, so it is freed when its last entry goes.
 * ``SlotTable``: rows × KV heads of slot tables — per (row, KV head) the slots of the
@@ -57,8 +59,13 @@ def _plain_tensors(fn):
     return wrapper
 
 
+def field_bytes(fields) -> int:
+    """Bytes of one slot (or block) with a codec's ``fields`` (name → (shape, dtype))."""
+    return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in fields.values())
+
+
 class PoolExhausted(RuntimeError):
-    """A fixed-size pool has fewer free slots than asked for."""
+    """A fixed pool has less room than asked for (in slots: a plain slot's bytes each)."""
 
     def __init__(self, needed: int, free: int):
         super().__init__(f"the KV slot pool has {free} free slots, {needed} are needed")
@@ -71,9 +78,11 @@ class SlotPool:
     Args:
         head_dim: d of one key (and value).
         dtype, device: of the stored entries.
-        capacity: usable slots of a fixed pool; None = growable (starts at ``initial``).
+        capacity: the budget of a fixed pool, in plain slots: its plain slots and coded blocks together hold
+            at most ``capacity`` plain slots' bytes (its arrays start at ``initial`` slots and grow up to it);
+            None = growable without bound.
         codec: how an entry is stored: plain keys and values (the default) for a pool; a tier (``tier``) is
-            a pool of one codec's blocks.
+            a pool of one codec's blocks, within its pool's budget.
     """
 
     @_plain_tensors
@@ -86,36 +95,54 @@ class SlotPool:
         self.device = torch.device(device)
         self.codec = codec or PlainCodec()
         self.fixed = capacity is not None
+        self.limit = capacity  # a fixed pool's budget, in plain slots
+        self.budget: SlotPool = self  # the pool whose budget this one draws on (its own; a tier: its pool's)
         self._fields = self.codec.fields(head_dim, dtype)
-        size = (capacity if capacity is not None else initial) + 1
+        size = min(initial, capacity if capacity is not None else initial) + 1
         self.arrays = {name: torch.zeros(size, *shape, dtype=dt, device=self.device) for name, (shape, dt) in self._fields.items()}
         self.refs = torch.zeros(size, dtype=torch.int32, device="cpu")
         self._free = torch.arange(size - 1, 0, -1, dtype=torch.long, device="cpu")  # a stack, top at the end: slots 1, 2, ... first
         self._top = size - 1
-        self.peak_used = 0
+        self.peak_bytes = 0  # the most bytes held at once, tiers included
         self.tiers: list[SlotPool] = []  # tier t ≥ 1: a pool of coded blocks (``tier``)
 
     # ----- sizes ---------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        """Usable slots (slot 0 aside)."""
+        """Usable slots: a fixed pool's budget; the slots a growable pool's arrays hold now (slot 0 aside)."""
+        return self.limit if self.limit is not None else self._arena
+
+    @property
+    def _arena(self) -> int:
+        """Slots the arrays hold now (slot 0 aside)."""
         return self.refs.shape[0] - 1
 
     @property
     def num_free(self) -> int:
-        return self._top
+        """Plain slots that can still be handed out (a fixed pool: what its budget has left, tiers counted)."""
+        if self.limit is None:
+            return self._top
+        return (self.limit * self.bytes_per_slot - self.used_bytes) // self.bytes_per_slot
 
     @property
     def num_used(self) -> int:
-        return self.capacity - self._top
+        """Slots (or blocks) held."""
+        return self._arena - self._top
 
     @property
     def bytes_per_slot(self) -> int:
-        return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in self._fields.values())
+        """Bytes of one slot (of a tier: one block)."""
+        return field_bytes(self._fields)
 
     @property
     def capacity_bytes(self) -> int:
-        return self.capacity * self.bytes_per_slot + sum(tier.capacity_bytes for tier in self.tiers)
+        """A fixed pool's budget; a growable pool's arrays."""
+        return self.limit * self.bytes_per_slot if self.limit is not None else self.allocated_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the arrays as allocated now, tiers included (what the process holds for the pool)."""
+        return self._arena * self.bytes_per_slot + sum(tier.allocated_bytes for tier in self.tiers)
 
     @property
     def used_bytes(self) -> int:
@@ -135,7 +162,9 @@ class SlotPool:
                 return t
         if len(self.tiers) == MAX_TIERS:
             raise ValueError(f"a pool holds at most {MAX_TIERS} codecs at once")
-        self.tiers.append(SlotPool(self.head_dim, dtype=self.dtype, device=self.device, codec=codec, initial=64))
+        store = SlotPool(self.head_dim, dtype=self.dtype, device=self.device, codec=codec, initial=64)
+        store.budget = self.budget
+        self.tiers.append(store)
         tier = len(self.tiers)
         if hasattr(codec, "attach"):  # a codec with tiers of its own beside it (DeltaKV's references)
             codec.attach(self)
@@ -154,19 +183,22 @@ class SlotPool:
     @_plain_tensors
     def allocate(self, n: int, holders: int = 1) -> torch.Tensor:
         """``n`` free slots (int64 on the pool's device), each with ``holders`` holders."""
+        budget = self.budget
+        if budget.limit is not None:
+            room = budget.limit * budget.bytes_per_slot - budget.used_bytes
+            if n * self.bytes_per_slot > room:
+                raise PoolExhausted(-(-n * self.bytes_per_slot // budget.bytes_per_slot), room // budget.bytes_per_slot)
         if n > self._top:
-            if self.fixed:
-                raise PoolExhausted(n, self._top)
             self._grow(n - self._top)
         slots = self._free[self._top - n : self._top].flip(0)
         self._top -= n
         self.refs[slots] = holders
-        self.peak_used = max(self.peak_used, self.num_used)
+        budget.peak_bytes = max(budget.peak_bytes, budget.used_bytes)
         return slots.to(self.device)
 
     @_plain_tensors
     def reserve(self, n: int) -> None:
-        """Make sure ``n`` slots are free (a growable pool grows once, exactly; a fixed one is left as is)."""
+        """Make sure ``n`` slots are free (a growable pool grows once, exactly; a fixed one grows as it fills)."""
         if n > self._top and not self.fixed:
             self._grow(n - self._top, factor=1.0)
 
@@ -214,6 +246,8 @@ class SlotPool:
     def _grow(self, needed: int, factor: float = 1.5) -> None:
         old = self.refs.shape[0]
         size = max(int(old * factor), old + needed)
+        if self.limit is not None:  # a fixed pool's arrays stop at its budget (the budget was checked)
+            size = min(size, self.limit + 1)
         if size * self.codec.block_size > 2**TIER_SHIFT:  # entry ids must stay below the tier bits
             raise PoolExhausted(needed, self._top)
         for name, array in self.arrays.items():
@@ -713,4 +747,4 @@ def _scatter_rows(array: torch.Tensor, index: torch.Tensor, source: torch.Tensor
     array[b_idx, h_idx, index[b_idx, h_idx, j_idx]] = source[b_idx, h_idx, j_idx]
 
 
-__all__ = ["PAD_SLOT", "TIER_SHIFT", "PoolExhausted", "SlotPool", "SlotTable"]
+__all__ = ["PAD_SLOT", "TIER_SHIFT", "PoolExhausted", "SlotPool", "SlotTable", "field_bytes"]
