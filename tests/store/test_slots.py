@@ -196,3 +196,30 @@ def test_fixed_pool_refuses_without_touching_anything():
     assert table.lengths.tolist() == [[4, 4]] and pool.num_used == 8 and pool.capacity == 10
     table.release(pool)
     assert pool.num_free == 10
+
+
+def test_a_fixed_pools_coded_tiers_draw_on_its_byte_budget():
+    """Plain slots and coded blocks share one budget: coding frees plain room, a block past the budget is
+    refused with nothing touched, and the arrays grow only up to the budget."""
+    codec = KiviCodec(2, 4)
+    pool = SlotPool(DIM, capacity=40, initial=4)
+    tier = pool.tier(codec)
+    table = SlotTable(1, 2)
+    keys = torch.randn(1, 2, 12, DIM)
+    table.append(pool, keys, keys, torch.arange(12).expand(1, 12))
+    assert pool.num_used == 24 and pool.num_free == 16 and pool.capacity_bytes == 40 * pool.bytes_per_slot
+    table.code(pool, tier, recent=0)  # its blocks are written before the plain slots go: they must fit beside them
+    block = pool.tiers[0].bytes_per_slot
+    assert pool.num_used == 0 and pool.used_bytes == 6 * block  # 2 heads × 12 entries in blocks of 4
+    assert pool.num_free == (40 * pool.bytes_per_slot - 6 * block) // pool.bytes_per_slot > 16  # coding made room
+    free, too_many = pool.num_free, (40 * pool.bytes_per_slot - pool.used_bytes) // block + 1
+    with pytest.raises(PoolExhausted):
+        pool.encode(tier, torch.zeros(too_many, 4, DIM), torch.zeros(too_many, 4, DIM))
+    assert pool.used_bytes == 6 * block and int(pool.tiers[0].refs.sum()) == 6 * 4  # nothing touched
+    plain = pool.allocate(free)
+    assert pool.num_free == 0 and pool.refs.shape[0] - 1 <= 40  # the arrays stopped at the budget
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+    pool.release(plain)
+    table.release(pool)
+    assert pool.used_bytes == 0 and pool.num_free == 40 and pool.peak_bytes <= 40 * pool.bytes_per_slot
