@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from common import layers_of, tiny_codec, tiny_method, tiny_model
+from common import layers_of, tiny_codec, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress import CompressedCache, get_method
 from kvcompress.methods import method_from_spec
@@ -156,17 +156,6 @@ def test_bad_uses_fail_clearly(tmp_path):
         CompressedCache(model, _deltakv(model, full_layers=(7,)))
 
 
-def test_the_engine_refuses_deltakv_with_a_clear_error():
-    from engine.test_llm import make_llm, sharp_model
-
-    model = sharp_model(seed=1, layers=2)
-    llm = make_llm(model)
-    for method in (_deltakv(model), method_from_spec(f"omnikv:codec='deltakv:checkpoint=\"{tiny_codec(model)}\"'", budget=8)):
-        with pytest.raises(ValueError, match="not in the engine yet"):
-            llm.generate([[5, 6, 7]], method=method)
-    assert not llm.has_unfinished()
-
-
 def test_training_lowers_the_error_and_resumes_exactly(tmp_path, monkeypatch):
     import kvcompress.train.deltakv as training
 
@@ -237,14 +226,3 @@ def test_sessions_of_one_method_share_its_codec_tiers():
     forks = [shared.fork(method) for _ in range(20)]  # more than a pool's 15 tiers, were each fork to make its own
     assert len(shared.session.pool.tiers) == 2 and method.coder() is method.coder()  # codes and references
     assert all(torch.equal(f.session.view(1).keys, forks[0].session.view(1).keys) for f in forks)
-
-
-def test_the_engine_refuses_deltakv_with_a_clear_error():
-    from engine.test_llm import make_llm, sharp_model
-
-    model = sharp_model(seed=1, layers=2)
-    llm = make_llm(model)
-    for method in (tiny_method("deltakv", model), tiny_method("omnikv", model, ratio=0.5, codec=f'deltakv:checkpoint="{tiny_codec(model)}"')):
-        with pytest.raises(ValueError, match="DeltaKV's coded storage is not in the engine yet"):
-            llm.generate([[5, 6, 7]], method=method)
-    assert not llm.has_unfinished() and llm.pool.used_bytes == 0

@@ -106,7 +106,6 @@ class LLM:
     def check_fits(self, prompt_ids: list[int], sampling_params: SamplingParams, method: Method) -> None:
         """Refuse a request that could not fit in the pool even alone, or whose method cannot run on this model
         (a clear error, nothing queued)."""
-        check_servable(method)
         method.check_model(self.model.config)
         probe = Request(-1, list(prompt_ids), sampling_params, method)
         need = self.scheduler.peak(probe) + self.scheduler.growth(probe)
@@ -197,7 +196,6 @@ class LLM:
         if len(methods) != count:
             raise ValueError(f"{len(methods)} methods for {count} prompts: give one method, or one per prompt")
         for m in methods:
-            check_servable(m)
             m.check_model(self.model.config)
         return methods
 
@@ -254,13 +252,4 @@ class LLM:
         }
 
 
-def check_servable(method: Method) -> None:
-    """The engine serves plain and KIVI-coded storage; DeltaKV's codes (a token over every head, holding its
-    references) are not in it yet."""
-    coder = method.coder() or method
-    if coder.name == "deltakv":
-        raise ValueError(f"{method.label}: DeltaKV's coded storage is not in the engine yet; use kvc.generate, eval or "
-                         "bench without --engine for it (kivi and codec=\"kivi\" are served)")
-
-
-__all__ = ["LLM", "check_servable"]
+__all__ = ["LLM"]

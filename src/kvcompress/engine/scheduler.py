@@ -14,9 +14,10 @@ finishes with an error (that request alone).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
-from ..store.slots import SlotPool, field_bytes
+from ..store.slots import SlotPool
 from .request import Request, Status
 
 
@@ -41,23 +42,23 @@ class Scheduler:
 
     def held(self, request: Request, entries: int) -> int:
         """Slots' worth of pool bytes for ``entries`` per layer and head, stored as the request's method stores
-        them: plain slots, or with a codec the newest (its recent window and up to two uncoded blocks) plain
-        and the rest in whole coded blocks."""
+        them: plain slots, or with a codec the newest (its recent window and up to two chunks not yet coded)
+        plain and the rest at the codec's bytes per entry."""
         coded = self._coded(request)
         if coded is None:
             return entries * self.per_token
-        block_size, block_bytes, recent = coded
-        plain = min(entries, recent + 2 * block_size)
-        blocks = -(-(entries - plain) // block_size)
-        return plain * self.per_token + -(-self.per_token * blocks * block_bytes // self.pool.bytes_per_slot)
+        chunk, entry_bytes, recent = coded
+        plain = min(entries, recent + 2 * chunk)
+        return plain * self.per_token + math.ceil(self.per_token * (entries - plain) * entry_bytes / self.pool.bytes_per_slot)
 
-    def _coded(self, request: Request) -> tuple[int, int, int] | None:
-        """(block size, bytes of a block, recent entries kept plain) of the request's codec; None: plain."""
+    def _coded(self, request: Request) -> tuple[int, float, int] | None:
+        """(entries coded at once, bytes per coded entry, recent entries kept plain) of the request's codec;
+        None: plain storage."""
         storage = request.method.storage(self.pool.dtype)
         if storage is None:
             return None
         codec, recent = storage
-        return codec.block_size, field_bytes(codec.fields(self.pool.head_dim, self.pool.dtype)), recent
+        return max(codec.chunk, codec.block_size), codec.entry_bytes(self.pool.head_dim, self.pool.dtype), recent
 
     def peak(self, request: Request) -> int:
         """Slots the request needs while its prompt is prefilled and compressed: one layer's prompt at a time
@@ -76,13 +77,13 @@ class Scheduler:
         return self.held(request, kept + request.params.max_tokens - len(request.output_ids)) - self.held(request, kept)
 
     def step_room(self, requests: list[Request]) -> int:
-        """Slots a decoding step may take at once: a new entry and a rewritten one per layer and head, and a
-        block per layer and head that a coding request may code before its plain entries go."""
+        """Slots a decoding step may take at once: a new entry and a rewritten one per layer and head, and the
+        codes of a chunk per layer and head for a request that codes."""
         room = 2 * self.per_token * len(requests)
         for request in requests:
             coded = self._coded(request)
-            if coded is not None:
-                room += -(-self.per_token * coded[1] // self.pool.bytes_per_slot)
+            if coded is not None:  # a chunk's codes are written before its plain entries go
+                room += math.ceil(self.per_token * coded[0] * coded[1] / self.pool.bytes_per_slot)
         return room
 
     # ----- queues ---------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import RequestOutput, SamplingParams
-from ..engine.llm import check_servable
 from ..methods import Method, get_method
 
 
@@ -109,9 +108,7 @@ def _method(spec: Any, default: Method) -> Method:
                             "e.g. {\"method\": \"adakv\", \"ratio\": 0.25}", "kv_compression")
     options = {k: v for k, v in spec.items() if k != "method"}
     try:
-        method = get_method(spec["method"], **options)
-        check_servable(method)
-        return method
+        return get_method(spec["method"], **options)
     except (ValueError, TypeError) as error:
         raise APIError(400, f"kv_compression: {error}", "kv_compression") from None
 

@@ -18,11 +18,17 @@ so coded storage plugs in here without special cases elsewhere.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 
 Fields = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def field_bytes(fields: Fields) -> int:
+    """Bytes of one slot (or block) with a codec's ``fields``."""
+    return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in fields.values())
 
 
 class Codec(Protocol):
@@ -37,6 +43,11 @@ class Codec(Protocol):
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
         """Per-block arrays: name → (shape of one block's row, dtype)."""
+        ...
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> float:
+        """Pool bytes one coded entry (a KV head at a token of a layer) takes on average, whatever it shares
+        (a block, references) counted (the engine admits requests by it)."""
         ...
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -56,6 +67,9 @@ class PlainCodec:
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
         return {"keys": ((head_dim,), dtype), "values": ((head_dim,), dtype)}
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> float:
+        return field_bytes(self.fields(head_dim, dtype))
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"keys": keys, "values": values}
@@ -116,6 +130,9 @@ class KiviCodec:
             "key_codes": ((g, packed), torch.uint8), "key_zero": ((head_dim,), p), "key_scale": ((head_dim,), p),
             "value_codes": ((g, packed), torch.uint8), "value_zero": ((g, value_groups), p), "value_scale": ((g, value_groups), p),
         }
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> float:
+        return field_bytes(self.fields(head_dim, dtype)) / self.block_size
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         n, g, d = keys.shape

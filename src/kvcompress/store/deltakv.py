@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .codecs import Fields, KiviCodec, pack, unpack
+from .codecs import Fields, KiviCodec, field_bytes, pack, unpack
 from .slots import ENTRY_MASK, TIER_SHIFT
 
 
@@ -235,6 +235,15 @@ class DeltaKVCodec:
         code = {"code": ((width,), dtype)} if self.bits is None else {
             "code": ((width // 2,), torch.uint8), "code_zero": ((1,), torch.float16), "code_scale": ((1,), torch.float16)}
         return {**code, "refs": ((self.weights.top_k,), torch.int32), "position": ((), torch.int32), "layer": ((), torch.int16)}
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> float:
+        """Per entry: a coded layer's token is a reference every ``stride`` positions (raw) and a code otherwise,
+        each shared by the token's H entries; the layers left uncoded hold plain slots."""
+        w, h = self.weights, self.block_size
+        coded = ((1 - 1 / w.stride) * field_bytes(self.fields(head_dim, dtype))
+                 + field_bytes(DeltaKVReferences(h).fields(head_dim, dtype)) / w.stride) / h
+        share = len(self.full_layers) / w.dims["num_layers"]
+        return (1 - share) * coded + share * 2 * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def dependencies(self, arrays, blocks: torch.Tensor) -> torch.Tensor:
         """Entry ids of the references freed code blocks held (one per reference listed)."""

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .codecs import Codec, PlainCodec
+from .codecs import Codec, PlainCodec, field_bytes
 from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KVView
 
 PAD_SLOT = 0
@@ -57,11 +57,6 @@ def _plain_tensors(fn):
             return fn(*args, **kwargs)
 
     return wrapper
-
-
-def field_bytes(fields) -> int:
-    """Bytes of one slot (or block) with a codec's ``fields`` (name → (shape, dtype))."""
-    return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in fields.values())
 
 
 class PoolExhausted(RuntimeError):
@@ -747,4 +742,4 @@ def _scatter_rows(array: torch.Tensor, index: torch.Tensor, source: torch.Tensor
     array[b_idx, h_idx, index[b_idx, h_idx, j_idx]] = source[b_idx, h_idx, j_idx]
 
 
-__all__ = ["PAD_SLOT", "TIER_SHIFT", "PoolExhausted", "SlotPool", "SlotTable", "field_bytes"]
+__all__ = ["PAD_SLOT", "TIER_SHIFT", "PoolExhausted", "SlotPool", "SlotTable"]
