@@ -244,3 +244,24 @@ def test_pool_accounting_never_leaks(lengths, max_tokens, memory, abort, seed):
 
 
 MODEL = sharp_model(seed=5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(length=st.integers(20, 300), which=st.integers(0, 3))
+def test_the_admission_estimate_of_coded_bytes_bounds_what_a_prompt_holds(length, which):
+    """What the scheduler counts for a coded request's prompt (``held``) is never less than the bytes its
+    session really holds after the prefill, and close to it for long prompts."""
+    from kvcompress.engine.request import Request
+
+    specs = [kvc.get_method("kivi", bits=2, group_size=16, residual=8), kvc.get_method("kivi", bits=4, group_size=16, residual=8),
+             tiny_method("deltakv", MODEL, recent=8, chunk=8), kvc.get_method("snapkv", budget=40, window=8, codec="kivi:group_size=16:residual=8")]
+    llm = make_llm(MODEL)
+    prompt = prompts_of([length], seed=length)[0]
+    request = Request(0, prompt, SamplingParams(max_tokens=1), specs[which])
+    llm.runner.prefill(request)
+    estimate = llm.scheduler.held(request, llm.scheduler.kept(request)) * llm.pool.bytes_per_slot
+    assert llm.pool.used_bytes <= estimate
+    if length >= 200:
+        assert estimate <= 1.35 * llm.pool.used_bytes + 40 * llm.scheduler.per_token * llm.pool.bytes_per_slot
+    request.session.release()
+    assert llm.pool.used_bytes == 0
