@@ -4,7 +4,7 @@
     outs = llm.generate(prompts, kvc.SamplingParams(max_tokens=64), method=kvc.get_method("snapkv", ratio=0.1))
     llm.stats()
 
-The pool is a budget of ``kv_memory`` bytes: plain entries and coded blocks (KIVI) together
+The pool is a budget of ``kv_memory`` bytes: plain entries and coded ones (KIVI, DeltaKV) together
 never hold more, and its arrays grow with the load up to it; nothing else grows with the
 number of requests. Each step admits the waiting requests that fit (prefilled one by one, compressed by
 their own method), then decodes every running request in one batched forward; requests

@@ -1,7 +1,7 @@
 """Which requests run: admission by compressed size, continuous batching, preemption.
 
 Memory is counted in pool slots (one slot = one plain entry of one KV head at one layer; coded
-entries (KIVI) count the bytes of their blocks, in slots). A request is admitted when the pool
+entries (KIVI, DeltaKV) count their bytes, in slots). A request is admitted when the pool
 can hold its prefill — the prompt of the layer being compressed, plus what the method keeps of
 every layer, coded if its method codes — on top of the decoding room reserved for the requests
 already running; its own decoding room is reserved from then on. A method whose

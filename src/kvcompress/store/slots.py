@@ -9,7 +9,7 @@
   plain slots and its coded blocks together never hold more, and it raises ``PoolExhausted``
   when full; its arrays grow as entries arrive, up to the budget. A growable one (the
   single-request cache) grows by 1.5×. Coded entries (KIVI) live in tiers beside the plain
-  slots: tier t ≥ 1 is a pool of blocks of one codec, and an entry id
+  slots: tier t ≥ 1 is a pool of blocks of one codec (KIVI, DeltaKV), and an entry id
   ``t << TIER_SHIFT | block · block_size + offset`` names an entry inside a block; a block
   is held once per entry naming it, so it is freed when its last entry goes.
 * ``SlotTable``: rows × KV heads of slot tables — per (row, KV head) the slots of the
@@ -27,7 +27,6 @@ Nothing here knows a method or transformers: edits arrive as ``store.view.Edit``
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -89,7 +88,6 @@ class SlotPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.codec = codec or PlainCodec()
-        self.fixed = capacity is not None
         self.limit = capacity  # a fixed pool's budget, in plain slots
         self.budget: SlotPool = self  # the pool whose budget this one draws on (its own; a tier: its pool's)
         self._fields = self.codec.fields(head_dim, dtype)
@@ -102,6 +100,11 @@ class SlotPool:
         self.tiers: list[SlotPool] = []  # tier t ≥ 1: a pool of coded blocks (``tier``)
 
     # ----- sizes ---------------------------------------------------------------------------
+    @property
+    def fixed(self) -> bool:
+        """A pool with a budget (the engine's), not one that grows without bound."""
+        return self.limit is not None
+
     @property
     def capacity(self) -> int:
         """Usable slots: a fixed pool's budget; the slots a growable pool's arrays hold now (slot 0 aside)."""
