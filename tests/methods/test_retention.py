@@ -151,7 +151,11 @@ def test_training_lowers_the_loss_is_deterministic_and_resumes_exactly(model, tm
         train_retention(model, tokenizer, tmp_path / "b", run, data=str(text), progress=False)
     monkeypatch.setattr(training, "losses", real_losses)
     assert not (tmp_path / "b" / "model.safetensors").exists()
+    first_part = torch.load(tmp_path / "b" / "state.pt", weights_only=False)["seconds"]
+    assert first_part > 0
     train_retention(model, tokenizer, tmp_path / "b", run, data=str(text), progress=False)  # resumes from step 20
+    resumed = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert resumed["train_seconds"] >= round(first_part, 1)  # the time before the interruption counts too
     gates_b = RetentionGates.load(tmp_path / "b")
     for name, tensor in gates_a.state_dict().items():
         assert torch.equal(tensor, gates_b.state_dict()[name]), name
@@ -213,3 +217,19 @@ def test_the_shipped_checkpoint_is_chosen_by_the_model(model, tmp_path, monkeypa
     assert all(torch.equal(t, expected.state_dict()[n]) for n, t in method.gates.state_dict().items())
     out = kvc.generate(model, tiny_tokenizer(), _words(60), "w1", method, max_new_tokens=2)  # runs on them end to end
     assert 0 < out.stats["kr"] < 1.0
+
+
+@pytest.mark.parametrize("name, shapes", [("smollm2-135m-instruct", (30, 3, 576)), ("qwen2.5-coder-0.5b", (24, 2, 896))])
+def test_gates_ship_for_both_built_in_models(name, shapes):
+    """The package ships gates for the embedded model and the second one, found by name or by shape."""
+    from types import SimpleNamespace
+
+    from kvcompress.methods.shipped import shipped_checkpoint
+
+    wanted = dict(zip(("num_layers", "num_kv_heads", "hidden_size"), shapes))
+    by_name = shipped_checkpoint("retention", SimpleNamespace(_name_or_path=f"/somewhere/{name}"), wanted)
+    by_shape = shipped_checkpoint("retention", SimpleNamespace(_name_or_path="/somewhere/model.gguf"), wanted)
+    assert by_name == by_shape and by_name.name == name
+    gates = RetentionGates.load(by_name)
+    assert (gates.dims["num_layers"], gates.dims["num_kv_heads"], gates.dims["hidden_size"]) == shapes
+    assert json.loads((by_name / "config.json").read_text())["model"] == name

@@ -91,12 +91,13 @@ def fit(model, module: torch.nn.Module, losses: Callable[[torch.Tensor], dict], 
     """Train ``module``'s parameters (or ``parameters``) on the frozen ``model`` with AdamW, minimizing
     ``losses(ids)["loss"]`` one sequence per step; ``save(folder, about)`` writes a snapshot every
     ``save_every`` steps. Resumes from ``out``/state.pt (``settings`` must equal the run's). Returns the
-    loss history and the seconds this call trained."""
+    loss history and the seconds the run trained (every resumed part of it: from the last saved state on,
+    plus what the saved state had counted)."""
     out.mkdir(parents=True, exist_ok=True)
     params = parameters if parameters is not None else [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, warmup))
-    start, history = _resume(out, module, optimizer, schedule, {**settings, "data": data})
+    start, history, before = _resume(out, module, optimizer, schedule, {**settings, "data": data})
     stream = training_sequences(tokenizer, seq_len, seed, data)
     for _ in range(start):  # the same sequences as an uninterrupted run
         next(stream)
@@ -115,21 +116,21 @@ def fit(model, module: torch.nn.Module, losses: Callable[[torch.Tensor], dict], 
         history.append(record)
         bar.set_postfix({k: f"{record[k]:.4f}" for k in shown})
         if (step + 1) % save_every == 0 or step + 1 == steps:
-            _save_state(out, module, optimizer, schedule, step + 1, history)
+            _save_state(out, module, optimizer, schedule, step + 1, history, before + time.perf_counter() - began)
             save(out / "steps" / f"{step + 1:06d}", {"step": step + 1})  # for a score-vs-steps curve
-    return history, time.perf_counter() - began
+    return history, before + time.perf_counter() - began
 
 
-def _save_state(out: Path, module, optimizer, schedule, step: int, history: list) -> None:
+def _save_state(out: Path, module, optimizer, schedule, step: int, history: list, seconds: float) -> None:
     state = {"module": module.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-             "step": step, "history": history}
+             "step": step, "history": history, "seconds": seconds}
     tmp = out / ".state.partial.pt"
     torch.save(state, tmp)
     tmp.replace(out / "state.pt")
 
 
-def _resume(out: Path, module, optimizer, schedule, ours: dict) -> tuple[int, list]:
-    """(the step to start from, the losses so far): 0 for a new run (``run.json`` records its settings), else
+def _resume(out: Path, module, optimizer, schedule, ours: dict) -> tuple[int, list, float]:
+    """(the step to start from, the losses so far, the seconds trained so far): 0 for a new run (``run.json`` records its settings), else
     where ``state.pt`` left off — refused when the folder's run had other settings."""
     run = out / "run.json"
     if run.is_file():
@@ -142,12 +143,12 @@ def _resume(out: Path, module, optimizer, schedule, ours: dict) -> tuple[int, li
         run.write_text(json.dumps(ours, indent=2) + "\n")
     path = out / "state.pt"
     if not path.is_file():
-        return 0, []
+        return 0, [], 0.0
     state = torch.load(path, weights_only=False)
     module.load_state_dict(state["module"])
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
-    return state["step"], state["history"]
+    return state["step"], state["history"], state.get("seconds", 0.0)  # states saved before it was kept: 0
 
 
 def use_attention(model, name: str, function) -> Callable[[], None]:
