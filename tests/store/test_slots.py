@@ -221,5 +221,14 @@ def test_a_fixed_pools_coded_tiers_draw_on_its_byte_budget():
     with pytest.raises(PoolExhausted):
         pool.allocate(1)
     pool.release(plain)
+    grown, held = pool.allocated_bytes, table.view(pool).keys.clone()
+    pool.trim()  # something is still held: nothing changes
+    assert pool.allocated_bytes == grown and torch.equal(table.view(pool).keys, held)
     table.release(pool)
     assert pool.used_bytes == 0 and pool.num_free == 40 and pool.peak_bytes <= 40 * pool.bytes_per_slot
+    pool.trim()
+    assert pool.allocated_bytes == 4 * pool.bytes_per_slot + 64 * block < grown  # back to the first sizes
+    assert pool.peak_allocated >= grown
+    again = SlotTable(1, 2)
+    again.append(pool, keys, keys, torch.arange(12).expand(1, 12))  # and it grows again
+    assert torch.equal(again.view(pool).keys, keys)

@@ -148,6 +148,8 @@ class LLM:
             for request, row in zip(decoding, logits):
                 self._accept(request, row)
             touched += decoding
+        if not self.scheduler.has_unfinished():
+            self.pool.trim()  # idle: the pool's arrays give their memory back
         return touched
 
     def _prefill(self, request: Request) -> list[Request]:
@@ -232,11 +234,13 @@ class LLM:
     def _reset_stats(self) -> None:
         self._stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0, "max_concurrent": 0,
                        "preemptions_at_start": self.scheduler.preemptions}
-        self.pool.peak_bytes = self.pool.used_bytes
+        self.pool.peak_bytes, self.pool.peak_allocated = self.pool.used_bytes, self.pool.allocated_bytes
 
     def stats(self) -> dict[str, Any]:
         """Since the last ``generate``: max_concurrent, decode_tokens_per_s, prefill_tokens_per_s, preemptions,
-        pool_capacity_bytes, pool_used_bytes (0 when nothing runs), pool_peak_bytes."""
+        pool_capacity_bytes, pool_used_bytes (0 when nothing runs), pool_peak_bytes (held at most) and
+        pool_allocated_bytes (the most the pool's arrays took, tiers included: plain and coded arrays each
+        grow to their own peak, so with coded requests this may pass kv_memory while the bytes held stay within it)."""
         s = self._stats
         return {
             "max_concurrent": s["max_concurrent"],
@@ -248,7 +252,7 @@ class LLM:
             "pool_capacity_bytes": self.pool.capacity_bytes,
             "pool_used_bytes": self.pool.used_bytes,
             "pool_peak_bytes": self.pool.peak_bytes,
-            "pool_allocated_bytes": self.pool.allocated_bytes,
+            "pool_allocated_bytes": self.pool.peak_allocated,
         }
 
 

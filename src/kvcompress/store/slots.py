@@ -91,13 +91,26 @@ class SlotPool:
         self.limit = capacity  # a fixed pool's budget, in plain slots
         self.budget: SlotPool = self  # the pool whose budget this one draws on (its own; a tier: its pool's)
         self._fields = self.codec.fields(head_dim, dtype)
-        size = min(initial, capacity if capacity is not None else initial) + 1
+        self._initial = min(initial, capacity if capacity is not None else initial)
+        self._empty_arrays(self._initial)
+        self.peak_bytes = 0  # the most bytes held at once, tiers included
+        self.peak_allocated = 0  # the most bytes the arrays took at once, tiers included
+        self.tiers: list[SlotPool] = []  # tier t ≥ 1: a pool of coded blocks (``tier``)
+
+    def _empty_arrays(self, slots: int) -> None:
+        size = slots + 1
         self.arrays = {name: torch.zeros(size, *shape, dtype=dt, device=self.device) for name, (shape, dt) in self._fields.items()}
         self.refs = torch.zeros(size, dtype=torch.int32, device="cpu")
         self._free = torch.arange(size - 1, 0, -1, dtype=torch.long, device="cpu")  # a stack, top at the end: slots 1, 2, ... first
         self._top = size - 1
-        self.peak_bytes = 0  # the most bytes held at once, tiers included
-        self.tiers: list[SlotPool] = []  # tier t ≥ 1: a pool of coded blocks (``tier``)
+
+    @_plain_tensors
+    def trim(self) -> None:
+        """When nothing is held, give the arrays' memory back: the pool and its tiers return to their first size
+        (the engine, idle: plain slots and coded blocks grow again with the next load)."""
+        if self.used_bytes == 0:
+            for store in (self, *self.tiers):
+                store._empty_arrays(store._initial)
 
     # ----- sizes ---------------------------------------------------------------------------
     @property
@@ -248,6 +261,8 @@ class SlotPool:
             size = min(size, self.limit + 1)
         if size * self.codec.block_size > 2**TIER_SHIFT:  # entry ids must stay below the tier bits
             raise PoolExhausted(needed, self._top)
+        budget = self.budget
+        budget.peak_allocated = max(budget.peak_allocated, budget.allocated_bytes + (size - old) * self.bytes_per_slot)
         for name, array in self.arrays.items():
             grown = torch.zeros(size, *array.shape[1:], dtype=array.dtype, device=array.device)
             grown[:old] = array
