@@ -133,7 +133,12 @@ class SlotPool:
         """Plain slots that can still be handed out (a fixed pool: what its budget has left, tiers counted)."""
         if self.limit is None:
             return self._top
-        return (self.limit * self.bytes_per_slot - self.used_bytes) // self.bytes_per_slot
+        return self._room_bytes // self.bytes_per_slot
+
+    @property
+    def _room_bytes(self) -> int:
+        """What a fixed pool's budget has left, in bytes (its tiers' holdings counted)."""
+        return self.capacity_bytes - self.used_bytes
 
     @property
     def num_used(self) -> int:
@@ -196,7 +201,7 @@ class SlotPool:
         """``n`` free slots (int64 on the pool's device), each with ``holders`` holders."""
         budget = self.budget
         if budget.limit is not None:
-            room = budget.limit * budget.bytes_per_slot - budget.used_bytes
+            room = budget._room_bytes
             if n * self.bytes_per_slot > room:
                 raise PoolExhausted(-(-n * self.bytes_per_slot // budget.bytes_per_slot), room // budget.bytes_per_slot)
         if n > self._top:
