@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .codecs import Fields, KiviCodec, field_bytes, pack, unpack
+from .codecs import Fields, KiviCodec, PlainCodec, field_bytes, pack, unpack
 from .slots import ENTRY_MASK, TIER_SHIFT
 
 
@@ -243,7 +243,7 @@ class DeltaKVCodec:
         coded = ((1 - 1 / w.stride) * field_bytes(self.fields(head_dim, dtype))
                  + field_bytes(DeltaKVReferences(h).fields(head_dim, dtype)) / w.stride) / h
         share = len(self.full_layers) / w.dims["num_layers"]
-        return (1 - share) * coded + share * 2 * head_dim * torch.empty(0, dtype=dtype).element_size()
+        return (1 - share) * coded + share * PlainCodec().entry_bytes(head_dim, dtype)
 
     def dependencies(self, arrays, blocks: torch.Tensor) -> torch.Tensor:
         """Entry ids of the references freed code blocks held (one per reference listed)."""

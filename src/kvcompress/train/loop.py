@@ -130,8 +130,8 @@ def _save_state(out: Path, module, optimizer, schedule, step: int, history: list
 
 
 def _resume(out: Path, module, optimizer, schedule, ours: dict) -> tuple[int, list, float]:
-    """(the step to start from, the losses so far, the seconds trained so far): 0 for a new run (``run.json`` records its settings), else
-    where ``state.pt`` left off — refused when the folder's run had other settings."""
+    """(the step to start from, the losses so far, the seconds trained so far): 0 for a new run (``run.json``
+    records its settings), else where ``state.pt`` left off — refused when the folder's run had other settings."""
     run = out / "run.json"
     if run.is_file():
         saved = json.loads(run.read_text())
