@@ -458,7 +458,8 @@ def _training_run(args):
                                                              model_name=name, progress=not args.quiet)
     from .train.deltakv import DeltaKVTraining, train_deltakv
 
-    settings = DeltaKVTraining(**common, hidden=args.hidden, mse=args.mse, kl=args.kl)
+    settings = DeltaKVTraining(**common, hidden=args.hidden, code_ratio=args.code_ratio, bits=None if args.float_codes else 4,
+                               mse=args.mse, kl=args.kl, principal=args.principal)
     full_layers = tuple(int(x) for x in args.full_layers.split(",") if x.strip()) if args.full_layers else ()
     return lambda model, tokenizer, out: train_deltakv(model, tokenizer, out, settings, data=args.data, model_name=name,
                                                        full_layers=full_layers, progress=not args.quiet)
@@ -647,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="start again in a folder that holds a run")
     t.add_argument("--steps", type=_count, default=None, help="optimizer steps, one sequence each (default: 800)")
     t.add_argument("--seq-len", type=_count, default=512, help="tokens per training sequence")
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 retention, 1e-3 deltakv)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 retention, 1e-4 deltakv)")
     t.add_argument("--next-token", type=float, default=None, help="weight of the next-token loss (default: 0)")
     t.add_argument("--save-every", type=_count, default=100, help="steps between saved states (and snapshots in steps/)")
     t.add_argument("--data", default=None, help="a JSONL task file or a text file (default: sequences from the built-in "
@@ -658,6 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--capacity", type=float, default=1.0, help="weight of the capacity loss")
     d = t.add_argument_group("deltakv")
     d.add_argument("--hidden", type=_count, default=128, help="the compressor's hidden width d_h")
+    d.add_argument("--code-ratio", type=float, default=0.5, help="the code width d_c as a share of 2·H·d (the paper's: 0.25)")
+    d.add_argument("--float-codes", action="store_true", help="train for codes kept in float (deltakv:bits=None), "
+                   "not in 4 bits")
+    d.add_argument("--principal", type=int, default=16,
+                   help="sequences whose residuals start each layer at its best linear code (0: a random start)")
     d.add_argument("--mse", type=float, default=1.0, help="weight of the relative reconstruction error")
     d.add_argument("--kl", type=float, default=1.0, help="weight of KL(full ‖ reconstructed) next-token distributions")
     d.add_argument("--full-layers", default="0", help="layers deltakv leaves uncoded by default, comma-separated")

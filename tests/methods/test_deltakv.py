@@ -34,32 +34,35 @@ def test_deltakv_with_every_token_recent_decodes_as_the_full_cache():
     assert all(tier.num_used == 0 for tier in cache.session.pool.tiers)  # nothing was coded
 
 
-def _layer_bytes(refs: int, codes: int, plain: int) -> int:
+def _layer_bytes(refs: int, codes: int, plain: int, bits: int | None = None) -> int:
     """DeltaKV's accounting for one layer of one row: a reference is a raw token over every head plus its
-    position, a coded token a code of d_c = 2·H·d/4 numbers (fp32 here), 4 reference ids, its position and
-    layer; plain tokens are raw; every entry has a slot index and a position, every head a length."""
+    position, a coded token a code of d_c = 2·H·d/4 numbers (fp32 here, or 4 bits each with a float16 zero
+    point and scale), 4 reference ids, its position and layer; plain tokens are raw; every entry has a slot
+    index and a position, every head a length."""
     ref_block = 2 * HEADS * D * 4 + 4
-    code_block = (2 * HEADS * D // 4) * 4 + 4 * 4 + 4 + 2
+    code = (2 * HEADS * D // 4) * 4 if bits is None else (2 * HEADS * D // 4) // 2 + 2 + 2
+    code_block = code + 4 * 4 + 4 + 2
     tokens = refs + codes + plain
     return refs * ref_block + codes * code_block + plain * 2 * HEADS * D * 4 + tokens * HEADS * 8 + HEADS * 8
 
 
-def test_kr_is_the_accounting_formula_over_full_at_the_prefill_and_while_decoding():
+@pytest.mark.parametrize("bits", [None, 4])
+def test_kr_is_the_accounting_formula_over_full_at_the_prefill_and_while_decoding(bits):
     model = tiny_model(seed=1)
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1))
-    cache = CompressedCache(model, _deltakv(model, recent=20, chunk=8, full_layers=(0,)))
+    cache = CompressedCache(model, _deltakv(model, recent=20, chunk=8, full_layers=(0,), bits=bits))
     with torch.no_grad():
         out = model(ids, past_key_values=cache).logits
     refs = int(reference_mask(torch.arange(80), 10, 4).sum())  # positions 0–3, 10, …, 70
     full_layer = lambda n: n * 2 * HEADS * D * 4 + n * HEADS * 8 + HEADS * 8  # noqa: E731 — layer 0 stays plain
     stats = cache.stats()
     assert stats["kv_bytes_full"] == LAYERS * 100 * 2 * HEADS * D * 4
-    assert stats["kv_bytes"] == full_layer(100) + _layer_bytes(refs, 80 - refs, 20)
+    assert stats["kv_bytes"] == full_layer(100) + _layer_bytes(refs, 80 - refs, 20, bits)
     assert stats["kr"] == stats["kv_bytes"] / stats["kv_bytes_full"]
     with torch.no_grad():  # the 8th new token codes positions 80–87 (position 80 a reference); 25 stay raw
         for _ in range(13):
             out = model(out[:, -1:].argmax(-1), past_key_values=cache).logits
-    assert cache.stats()["kv_bytes"] == full_layer(113) + _layer_bytes(refs + 1, 80 - refs + 7, 25)
+    assert cache.stats()["kv_bytes"] == full_layer(113) + _layer_bytes(refs + 1, 80 - refs + 7, 25, bits)
     assert bool(torch.isfinite(out).all())
 
 
@@ -72,7 +75,7 @@ def test_the_paper_accounting_bounds_the_bytes_of_references_and_codes():
     folder = tiny_codec(model)
     weights = DeltaKVWeights.load(folder)
     weights.sinks = 0
-    method = get_method("deltakv", checkpoint=folder, recent=0)
+    method = get_method("deltakv", checkpoint=folder, recent=0, bits=None)
     method.__dict__["weights"] = weights  # the cached checkpoint, with no sinks: references at 0, 10, …, 90
     cache = CompressedCache(model, method)
     with torch.no_grad():
@@ -167,7 +170,12 @@ def test_training_lowers_the_error_and_resumes_exactly(tmp_path, monkeypatch):
     run = DeltaKVTraining(steps=30, seq_len=48, hidden=16, save_every=10, lr=1e-2)
     first = train_deltakv(model, tokenizer, tmp_path / "a", run, data=str(text), progress=False)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert first["mse"] < 0.9 * config["history"][0]["mse"] and config["full_layers"] == [0]
+    assert config["full_layers"] == [0] and set(first) >= {"mse", "kl"}
+    random_start = DeltaKVTraining(steps=30, seq_len=48, hidden=16, save_every=10, lr=1e-2, principal=0)
+    from_random = train_deltakv(model, tokenizer, tmp_path / "r", random_start, data=str(text), progress=False)
+    random_history = json.loads((tmp_path / "r" / "config.json").read_text())["history"]
+    assert from_random["mse"] < 0.9 * random_history[0]["mse"]  # training learns from a random start
+    assert config["history"][0]["mse"] < 0.9 * random_history[0]["mse"]  # the principal start begins far ahead
     assert len(config["layer_kl"]) == 2 and min(config["layer_kl"]) >= 0  # each layer's cost when coded alone
     real_losses, calls = training.losses, []
 
@@ -226,3 +234,23 @@ def test_sessions_of_one_method_share_its_codec_tiers():
     forks = [shared.fork(method) for _ in range(20)]  # more than a pool's 15 tiers, were each fork to make its own
     assert len(shared.session.pool.tiers) == 2 and method.coder() is method.coder()  # codes and references
     assert all(torch.equal(f.session.view(1).keys, forks[0].session.view(1).keys) for f in forks)
+
+
+@pytest.mark.parametrize("name, shapes", [("smollm2-135m-instruct", (30, 3, 64))])
+def test_codecs_ship_for_both_built_in_models(name, shapes):
+    """The package ships a codec for the embedded model and the second one, found by name or by shape, trained
+    for the method's default (codes in 4 bits) and leaving a layer of the model full."""
+    from types import SimpleNamespace
+
+    from kvcompress.methods.shipped import shipped_checkpoint
+
+    wanted = dict(zip(("num_layers", "num_kv_heads", "head_dim"), shapes))
+    by_name = shipped_checkpoint("deltakv", SimpleNamespace(_name_or_path=f"/somewhere/{name}"), wanted)
+    by_shape = shipped_checkpoint("deltakv", SimpleNamespace(_name_or_path="/somewhere/model.gguf"), wanted)
+    assert by_name == by_shape and by_name.name == name
+    weights = DeltaKVWeights.load(by_name)
+    assert (weights.dims["num_layers"], weights.dims["num_kv_heads"], weights.dims["head_dim"]) == shapes
+    about = weights.about
+    assert about["model"] == name and about["settings"]["bits"] == get_method("deltakv").bits
+    assert all(0 <= layer < shapes[0] for layer in about["full_layers"])
+    assert bool(weights.w_linear.abs().sum() > 0)  # trained with the linear path (not an older codec)

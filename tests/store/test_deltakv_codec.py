@@ -24,6 +24,7 @@ def _weights(seed: int = 0, **kw) -> DeltaKVWeights:
     with torch.no_grad():
         weights.decoder.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
         weights.scale.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(seed + 1))
+        weights.w_linear.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed + 2))
     return weights.eval().requires_grad_(False)
 
 
@@ -95,7 +96,7 @@ def _expected(weights: DeltaKVWeights, keys, values, n: int) -> tuple[torch.Tens
 
         def f_c(v):
             v = v / s
-            return (torch.nn.functional.silu(v @ weights.w_gate[1]) * (v @ weights.w_up[1])) @ weights.w_down[1]
+            return v @ weights.w_linear[1] + (torch.nn.functional.silu(v @ weights.w_gate[1]) * (v @ weights.w_up[1])) @ weights.w_down[1]
 
         expected[i] = (f_c(x[i]) - f_c(m)) @ weights.decoder[1] * s + m
     return split_vectors(expected, positions, H, weights.inv_freq)
@@ -198,3 +199,41 @@ def test_a_token_is_coded_over_every_head_only_when_every_head_holds_it():
     with pytest.raises(ValueError, match="every head must hold the same"):
         table.code(pool, 1, 0, slice(0, 1), layer=1)
     assert math.isfinite(float(table.view(pool).keys.sum()))
+
+
+def test_the_principal_start_is_the_best_linear_code_of_the_residuals():
+    """x̂ − m is the projection of x − m on the residuals' top d_c principal directions (in scaled units):
+    exact for residuals inside a d_c-dimensional space, and its error is the energy of the rest."""
+    weights = _weights()
+    width, d_c = 2 * H * D, weights.dims["code_width"]
+    gen = torch.Generator().manual_seed(5)
+    scale = weights.scale[0]
+    basis = torch.linalg.qr(torch.randn(width, d_c, generator=gen))[0]
+    inside = torch.randn(400, d_c, generator=gen) * torch.linspace(3, 1, d_c) @ basis.T  # residuals of rank d_c
+    weights.fit_principal(0, inside)
+    means = torch.randn(400, width, generator=gen)
+    x = means + inside * scale
+    assert torch.allclose(weights.reconstruct(0, weights.code(0, x, means), means), x, atol=1e-3)
+    noisy = inside + 0.1 * torch.randn(400, width, generator=gen)
+    weights.fit_principal(0, noisy)
+    x = means + noisy * scale
+    error = ((weights.reconstruct(0, weights.code(0, x, means), means) - x) / scale).pow(2).sum() / noisy.pow(2).sum()
+    eigenvalues = torch.linalg.eigvalsh(noisy.T @ noisy)
+    assert math.isclose(float(error), float(eigenvalues[:-d_c].sum() / eigenvalues.sum()), rel_tol=1e-3)
+    other = DeltaKVWeights(2, H, D, weights.inv_freq, hidden=8).requires_grad_(False)
+    with torch.no_grad():
+        other.scale.copy_(weights.scale)
+        other.w_linear[0], other.decoder[0], other.w_down[0] = basis, basis.T, 0.0  # a worse d_c-dimensional code
+    worse = ((other.reconstruct(0, other.code(0, x, means), means) - x) / scale).pow(2).sum() / noisy.pow(2).sum()
+    assert float(error) < float(worse)
+
+
+def test_a_codec_saved_before_the_linear_path_loads_with_it_at_zero(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = _weights()
+    weights.save(tmp_path / "codec", model="tiny")
+    stored = load_file(str(tmp_path / "codec" / "model.safetensors"))
+    save_file({k: v for k, v in stored.items() if not k.startswith("w_linear")}, str(tmp_path / "codec" / "model.safetensors"))
+    loaded = DeltaKVWeights.load(tmp_path / "codec")
+    assert torch.equal(loaded.w_linear, torch.zeros_like(weights.w_linear))

@@ -21,16 +21,16 @@ EMBEDDED = "smollm2-135m-instruct"
 @dataclass
 class DeltaKV(Method):
     """DeltaKV (seed 004): references every ``stride`` tokens and the sinks stay raw; every other token
-    keeps z = f_c(x) − f_c(mean of its 4 nearest earlier references) of a quarter of the token's width
-    and is rebuilt as f_d(z) + mean on read (RoPE re-applied); the newest tokens stay raw and are coded
-    ``chunk`` at a time (METHODS.md "DeltaKV"). Nothing is evicted: kr falls with the stride and the
+    keeps z = f_c(x) − f_c(mean of its 4 nearest earlier references) (the shipped codecs: half the
+    token's width in 4 bits; the paper's: a quarter in 16) and is rebuilt as f_d(z) + mean on read
+    (RoPE re-applied); the newest tokens stay raw and are coded ``chunk`` at a time (METHODS.md "DeltaKV"). Nothing is evicted: kr falls with the stride and the
     code width, cr stays 1. As ``codec="deltakv"`` of a method that keeps every entry (OmniKV, Quest),
     only the entries that method reads are rebuilt.
 
     Options:
         checkpoint: a folder from ``kvcompress train deltakv`` (None: the one shipped for the model).
-        bits: None keeps codes in the model's dtype (the paper's accounting); 4 stores each token's code in
-            4 bits with a 16-bit zero point and scale.
+        bits: 4 (default) stores each token's code in 4 bits with a 16-bit zero point and scale, as the
+            shipped codecs were trained; None keeps codes in the model's dtype (the paper's accounting).
         full_layers: layers left uncoded (the paper's hybrid layers; None: the checkpoint's choice).
         recent: newest tokens per layer kept raw (32).
         chunk: new tokens between two coding passes while decoding (32).
@@ -39,7 +39,7 @@ class DeltaKV(Method):
     """
 
     checkpoint: str | None = None
-    bits: int | None = None
+    bits: int | None = 4
     full_layers: tuple[int, ...] | None = None
     recent: int = 32
     chunk: int = 32

@@ -5,9 +5,12 @@ A token of a layer is one vector over every KV head, x = concat(keys, values) �
 positions ``i mod stride = 0`` and the first ``sinks`` are *references*, stored raw. Every other
 token keeps only a residual code z = f_c(x) − f_c(m) of width d_c (a quarter of 2·H·d), m the mean
 of its ``top_k`` nearest earlier references by L2, and the ids of those references; reading it
-gives x̂ = f_d(z) + m. f_c is a SwiGLU block and f_d a bias-free linear map (the paper's "light"
-variant: reconstruction is what runs at every step), one pair per layer; inputs are divided by a
-per-channel scale fixed from the first training batch.
+gives x̂ = f_d(z) + m. f_c is a SwiGLU block beside a linear path and f_d a bias-free linear map (the
+paper's "light" variant: reconstruction is what runs at every step), one pair per layer; inputs are
+divided by a per-channel scale fixed from the first training batch. Training starts from the best
+linear code (``fit_principal``: the linear path and the decoder on the residuals' top d_c principal
+components, the SwiGLU's output at zero) — from a random start an hour on two cores left a codec
+with 2.8× the error of that closed form (docs/results.md, session 9).
 
 In the slot pool this is two tiers whose blocks are one token of one layer, an entry per KV head
 (entry id = block · H + head, so the slot tables stay per head):
@@ -91,7 +94,7 @@ def nearest_references(x: torch.Tensor, refs: torch.Tensor, ref_positions: torch
 
 # ----- the learned part ------------------------------------------------------------------------
 class DeltaKVWeights(nn.Module):
-    """Per layer: the compressor f_c(x) = (SiLU(x̃W₁) ⊙ x̃W₂)W₃ and the decoder f_d(z) = zW_d (x̃ = x / scale,
+    """Per layer: the compressor f_c(x) = x̃W_lin + (SiLU(x̃W₁) ⊙ x̃W₂)W₃ and the decoder f_d(z) = zW_d (x̃ = x / scale,
     the decoder's output scaled back), and the codec's geometry (stride, top-k, sinks, RoPE frequencies).
 
     Args:
@@ -112,6 +115,7 @@ class DeltaKVWeights(nn.Module):
             return nn.Parameter(torch.randn(num_layers, *shape, generator=gen) / math.sqrt(shape[0]))
 
         self.w_gate, self.w_up, self.w_down = init(width, hidden), init(width, hidden), init(hidden, code_width)
+        self.w_linear = nn.Parameter(torch.zeros(num_layers, width, code_width))
         self.decoder = nn.Parameter(torch.zeros(num_layers, code_width, width))  # x̂ = m at first: training starts there
         self.register_buffer("scale", torch.ones(num_layers, width))
         self.register_buffer("inv_freq", inv_freq.detach().float().clone())
@@ -127,7 +131,7 @@ class DeltaKVWeights(nn.Module):
 
     def compress(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         x = x.float() / self.scale[layer]
-        return (F.silu(x @ self.w_gate[layer]) * (x @ self.w_up[layer])) @ self.w_down[layer]
+        return x @ self.w_linear[layer] + (F.silu(x @ self.w_gate[layer]) * (x @ self.w_up[layer])) @ self.w_down[layer]
 
     def code(self, layer: int, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         """z = f_c(x) − f_c(m) [..., d_c]."""
@@ -142,7 +146,19 @@ class DeltaKVWeights(nn.Module):
         with torch.no_grad():
             self.scale[layer] = x.detach().float().reshape(-1, x.shape[-1]).std(0).clamp_min(1e-3)
 
-    MATRICES = ("w_gate", "w_up", "w_down", "decoder")
+    def fit_principal(self, layer: int, residuals: torch.Tensor) -> None:
+        """Start a layer at the best linear code of ``residuals`` (x − m)/scale [n, 2·H·d]: the linear path
+        projects on their top d_c principal components, each divided by its spread, the decoder maps back
+        (x̂ − m is the projection of x − m), the SwiGLU path's output starts at zero (its inner weights stay
+        random to learn from)."""
+        r = residuals.detach().float().reshape(-1, residuals.shape[-1])
+        eigenvalues, vectors = torch.linalg.eigh(r.T @ r / max(1, r.shape[0]))
+        top = eigenvalues.argsort(descending=True)[: self.w_linear.shape[2]]
+        basis, spread = vectors[:, top], eigenvalues[top].clamp_min(1e-8).sqrt()  # [2Hd, d_c], [d_c]
+        with torch.no_grad():  # whitened: every code channel has unit spread, as a per-token 4-bit grid wants
+            self.w_linear[layer], self.decoder[layer], self.w_down[layer] = basis / spread, spread[:, None] * basis.T, 0.0
+
+    MATRICES = ("w_gate", "w_up", "w_down", "w_linear", "decoder")
 
     def save(self, directory: Path | str, **about) -> None:
         """``model.safetensors`` + ``config.json``. The matrices are stored in 8 bits with a float16 scale per
@@ -175,11 +191,22 @@ class DeltaKVWeights(nn.Module):
         stored = load_file(str(directory / "model.safetensors"))
         tensors = {k: v.float() * stored[f"{k}.step"].float() if f"{k}.step" in stored else v.float()
                    for k, v in stored.items() if not k.endswith(".step")}
+        if "w_linear" not in tensors:  # a codec trained before the linear path existed computes f_c without it
+            tensors["w_linear"] = torch.zeros(c["num_layers"], 2 * c["num_kv_heads"] * c["head_dim"], c["code_width"])
         weights = cls(c["num_layers"], c["num_kv_heads"], c["head_dim"], tensors["inv_freq"], hidden=c["hidden"],
                       code_width=c["code_width"], stride=c["stride"], top_k=c["top_k"], sinks=c["sinks"])
         weights.load_state_dict(tensors)
         weights.about = c
         return weights.eval().requires_grad_(False)
+
+
+CODE_QUANTIZER = KiviCodec(4, 1, torch.float16)  # 4-bit codes: per token, a float16 zero point and scale
+
+
+def four_bit(z: torch.Tensor) -> torch.Tensor:
+    """Codes z [..., d_c] as 4-bit codes read them back (float32)."""
+    codes, zero, scale = CODE_QUANTIZER.quantize(z.float().reshape(-1, z.shape[-1]), dim=1)
+    return torch.addcmul(zero.float(), codes.float(), scale.float()).reshape(z.shape)
 
 
 # ----- the two pool tiers ----------------------------------------------------------------------
@@ -220,7 +247,6 @@ class DeltaKVCodec:
         self.key = f"deltakv:{id(weights)}:{bits}:{sorted(self.full_layers)}:{chunk}"
         self.references: object | None = None  # the reference tier's pool (``attach``)
         self.reference_tier = 0
-        self._quantizer = KiviCodec(4, 1, torch.float16)
 
     def codes_layer(self, layer: int) -> bool:
         return layer not in self.full_layers
@@ -291,7 +317,7 @@ class DeltaKVCodec:
     def code_fields(self, z: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         if self.bits is None:
             return {"code": z.to(dtype)}
-        codes, zero, scale = self._quantizer.quantize(z.float(), dim=1)
+        codes, zero, scale = CODE_QUANTIZER.quantize(z.float(), dim=1)
         return {"code": pack(codes, 4), "code_zero": zero, "code_scale": scale}
 
     # ----- coding ---------------------------------------------------------------------------
@@ -357,5 +383,5 @@ class DeltaKVCodec:
         return old.numel()
 
 
-__all__ = ["DeltaKVCodec", "DeltaKVReferences", "DeltaKVWeights", "nearest_references", "reference_mask", "rope",
+__all__ = ["DeltaKVCodec", "DeltaKVReferences", "DeltaKVWeights", "four_bit", "nearest_references", "reference_mask", "rope",
            "split_vectors", "token_vectors"]

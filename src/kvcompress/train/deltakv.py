@@ -14,7 +14,10 @@ reconstructed K/V. The paper's hybrid objective is MSE + next-token loss; here t
 is the full model's distribution (KL) by default: with the cross-entropy at weight 1 the
 reconstruction error did not move in 64 steps (1.00), and without a next-token term it fell to 0.56
 in 60 steps while the cross-entropy rose from ~3 to 13–16 (docs/results.md). Only the codec learns
-(AdamW, warm-up then cosine decay); each layer's input scale is fixed from the first sequence.
+(AdamW, warm-up then cosine decay); each layer's input scale is fixed from the first sequence, and
+each layer starts at the best linear code of its residuals on ``principal`` sequences (the top d_c
+principal components; ``fit_principal``). With ``bits=4`` the forward rounds each token's code to
+4 bits as the store does (straight-through gradients), so the codec learns what is read back.
 
 Data, resuming and snapshots: ``train/loop.py``.
 """
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..models import model_facts, rotary_embedding
-from ..store.deltakv import DeltaKVWeights, nearest_references, reference_mask, split_vectors, token_vectors
+from ..store.deltakv import DeltaKVWeights, four_bit, nearest_references, reference_mask, split_vectors, token_vectors
 from .loop import GENERATED_DATA, fit, mean_tail, training_sequences, use_attention
 
 CODED = "kvcompress_deltakv_train"
@@ -42,17 +45,19 @@ class DeltaKVTraining:
     steps: int = 800
     seq_len: int = 512
     hidden: int = 128  # the compressor's width d_h
-    code_ratio: float = 0.25  # d_c / (2·H·d)
+    code_ratio: float = 0.5  # d_c / (2·H·d); the paper's is 0.25 (docs/results.md, session 9: why half in 4 bits)
+    bits: int | None = 4  # codes as the method stores them by default: 4 bits per number (None: float)
     stride: int = 10
     top_k: int = 4
     sinks: int = 4
-    lr: float = 1e-3
+    lr: float = 1e-4  # from the principal start; 1e-3 (the random start's) undid it: KL 0.05 → 0.25 in 50 steps
     warmup: float = 0.02
     mse: float = 1.0
     next_token: float = 0.0
     kl: float = 1.0
     seed: int = 0
     save_every: int = 100
+    principal: int = 16  # sequences whose residuals start each layer at its best linear code (0: a random start)
 
 
 class _Coding:
@@ -61,26 +66,31 @@ class _Coding:
 
     weights: DeltaKVWeights | None = None
     errors: list[torch.Tensor] = []
-    fitting_scale = False
+    fitting_scale = False  # set each layer's input scale from the plain model's keys and values
+    residuals: dict[int, list[torch.Tensor]] | None = None  # collect each layer's scaled residuals (plain model)
     layers: set[int] | None = None  # the layers coded (None: all)
+    bits: int | None = None  # codes rounded to 4 bits in the forward (gradients pass straight through)
 
 
 def coded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Causal attention over reconstructed keys and values (references exact); records the layer's
-    relative error. Plain SDPA when no codec is set."""
-    weights = _Coding.weights
-    if weights is None or _Coding.fitting_scale or (_Coding.layers is not None and module.layer_idx not in _Coding.layers):
-        if weights is not None:  # the scale of each layer's inputs as the plain model makes them
-            weights.fit_scale(module.layer_idx, token_vectors(key, value, torch.arange(key.shape[2]), weights.inv_freq))
+    relative error. Plain SDPA when no codec is set, while fitting scales or collecting residuals,
+    and on the layers ``_Coding.layers`` leaves out."""
+    weights, layer = _Coding.weights, module.layer_idx
+    plain = weights is None or _Coding.fitting_scale or _Coding.residuals is not None
+    if plain or (_Coding.layers is not None and layer not in _Coding.layers):
+        if weights is not None and _Coding.fitting_scale:
+            weights.fit_scale(layer, token_vectors(key, value, torch.arange(key.shape[2]), weights.inv_freq))
+        elif weights is not None and _Coding.residuals is not None:
+            x, means, coded = _token_means(weights, key, value)
+            _Coding.residuals.setdefault(layer, []).append(((x - means) / weights.scale[layer])[:, coded].flatten(0, 1))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layer = module.layer_idx
-    n = key.shape[2]
-    positions = torch.arange(n, device=key.device)
-    x = token_vectors(key, value, positions, weights.inv_freq)  # [B, n, 2Hd]
-    is_ref = reference_mask(positions, weights.stride, weights.sinks)
-    coded = ~is_ref
-    means = torch.stack([_reference_means(row, positions, is_ref, weights.top_k) for row in x])  # [B, n, 2Hd]
-    x_hat = weights.reconstruct(layer, weights.code(layer, x, means), means)
+    x, means, coded = _token_means(weights, key, value)
+    positions = torch.arange(key.shape[2], device=key.device)
+    z = weights.code(layer, x, means)
+    if _Coding.bits == 4:
+        z = z + (four_bit(z.detach()) - z).detach()  # the stored code's value, the float code's gradient
+    x_hat = weights.reconstruct(layer, z, means)
     x_hat = torch.where(coded[None, :, None], x_hat, x)
     scale, target = weights.scale[layer], x.detach()  # errors per channel in units of its spread: values weigh like keys
     error = (((x_hat - target) / scale)[:, coded].pow(2).sum()
@@ -89,6 +99,16 @@ def coded_attention(module, query, key, value, attention_mask, scaling=None, dro
     keys, values = split_vectors(x_hat, positions, key.shape[1], weights.inv_freq)
     return sdpa_attention_forward(module, query, keys.to(query.dtype), values.to(query.dtype), attention_mask,
                                   dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _token_means(weights: DeltaKVWeights, key: torch.Tensor, value: torch.Tensor):
+    """Token vectors x [B, n, 2Hd] of a layer's keys/values [B, H, n, d], each token's reference mean
+    [B, n, 2Hd] (itself for references) and which tokens are coded [n]."""
+    positions = torch.arange(key.shape[2], device=key.device)
+    x = token_vectors(key, value, positions, weights.inv_freq)
+    is_ref = reference_mask(positions, weights.stride, weights.sinks)
+    means = torch.stack([_reference_means(row, positions, is_ref, weights.top_k) for row in x])
+    return x, means, ~is_ref
 
 
 def _reference_means(x: torch.Tensor, positions: torch.Tensor, is_ref: torch.Tensor, k: int) -> torch.Tensor:
@@ -109,12 +129,12 @@ def losses(model, weights: DeltaKVWeights, ids: torch.Tensor, settings: DeltaKVT
         _Coding.weights = None
         with torch.no_grad():
             teacher = F.log_softmax(model(ids).logits.float(), dim=-1)
-    _Coding.weights, _Coding.errors = weights, []
+    _Coding.weights, _Coding.errors, _Coding.bits = weights, [], settings.bits
     try:
         student = F.log_softmax(model(ids).logits.float(), dim=-1)
         mse = torch.stack(_Coding.errors).mean()
     finally:
-        _Coding.weights, _Coding.errors = None, []
+        _Coding.weights, _Coding.errors, _Coding.bits = None, [], None
     ce = F.nll_loss(student[:, :-1].reshape(-1, student.shape[-1]), ids[:, 1:].reshape(-1))
     kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean() if teacher is not None else ce.new_zeros(())
     total = settings.mse * mse + settings.next_token * ce + settings.kl * kl
@@ -145,7 +165,10 @@ def train_deltakv(model, tokenizer, out: Path | str, settings: DeltaKVTraining, 
     weights = new_weights(model, settings)
     restore = _use_coded_attention(model)
     try:
-        _fit_scale(model, weights, next(training_sequences(tokenizer, settings.seq_len, settings.seed, data)))
+        start = training_sequences(tokenizer, settings.seq_len, settings.seed, data)
+        _fit_scale(model, weights, next(start))
+        if settings.principal:
+            fit_principal(model, weights, [next(start) for _ in range(settings.principal)])
         history, seconds = fit(
             model, weights, lambda ids: losses(model, weights, ids, settings), out, asdict(settings),
             tokenizer=tokenizer, data=data, steps=settings.steps, seq_len=settings.seq_len, seed=settings.seed,
@@ -156,18 +179,19 @@ def train_deltakv(model, tokenizer, out: Path | str, settings: DeltaKVTraining, 
         restore()
     final = mean_tail(history)
     held_out = training_sequences(tokenizer, settings.seq_len, settings.seed + 1, data)  # samples training never saw
-    profile = profile_layers(model, weights, [next(held_out) for _ in range(2)])
+    profile = profile_layers(model, weights, [next(held_out) for _ in range(2)], bits=settings.bits)
     weights.save(out, model=model_name, full_layers=list(full_layers), settings=asdict(settings), data=data or GENERATED_DATA,
                  final_losses=final, train_seconds=round(seconds, 1), layer_kl=profile,
                  history=history[:: max(1, len(history) // 100)])
     return final
 
 
-def profile_layers(model, weights: DeltaKVWeights, sequences: list[list[int]]) -> list[float]:
+def profile_layers(model, weights: DeltaKVWeights, sequences: list[list[int]], bits: int | None = None) -> list[float]:
     """Per layer, KL(p_full ‖ p) of the next-token distributions when only that layer is coded (every
-    non-reference token rebuilt), averaged over ``sequences``: which layers to leave full."""
+    non-reference token rebuilt, codes in ``bits``), averaged over ``sequences``: which layers to leave full."""
     restore = _use_coded_attention(model)
     totals = [0.0] * weights.w_gate.shape[0]
+    _Coding.bits = bits
     try:
         with torch.no_grad():
             for ids in sequences:
@@ -179,9 +203,25 @@ def profile_layers(model, weights: DeltaKVWeights, sequences: list[list[int]]) -
                     coded = F.log_softmax(model(ids).logits.float(), dim=-1)
                     totals[layer] += float(F.kl_div(coded, full, log_target=True, reduction="none").sum(-1).mean()) / len(sequences)
     finally:
-        _Coding.weights, _Coding.errors, _Coding.layers = None, [], None
+        _Coding.weights, _Coding.errors, _Coding.layers, _Coding.bits = None, [], None, None
         restore()
     return [round(t, 5) for t in totals]
+
+
+def fit_principal(model, weights: DeltaKVWeights, sequences: list[list[int]]) -> None:
+    """Start every layer of ``weights`` at the best linear code of its residuals on ``sequences`` run
+    through the plain model (``DeltaKVWeights.fit_principal``)."""
+    restore = _use_coded_attention(model)
+    _Coding.weights, _Coding.residuals = weights, {}
+    try:
+        with torch.no_grad():
+            for ids in sequences:
+                model(torch.tensor([ids], device=model.device))
+        for layer, parts in _Coding.residuals.items():
+            weights.fit_principal(layer, torch.cat(parts))
+    finally:
+        _Coding.weights, _Coding.residuals = None, None
+        restore()
 
 
 def _fit_scale(model, weights: DeltaKVWeights, ids: list[int]) -> None:
