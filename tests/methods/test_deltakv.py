@@ -236,7 +236,7 @@ def test_sessions_of_one_method_share_its_codec_tiers():
     assert all(torch.equal(f.session.view(1).keys, forks[0].session.view(1).keys) for f in forks)
 
 
-@pytest.mark.parametrize("name, shapes", [("smollm2-135m-instruct", (30, 3, 64))])
+@pytest.mark.parametrize("name, shapes", [("smollm2-135m-instruct", (30, 3, 64)), ("qwen2.5-coder-0.5b", (24, 2, 64))])
 def test_codecs_ship_for_both_built_in_models(name, shapes):
     """The package ships a codec for the embedded model and the second one, found by name or by shape, trained
     for the method's default (codes in 4 bits) and leaving a layer of the model full."""
