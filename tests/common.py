@@ -228,3 +228,16 @@ def layers_of(cache) -> list[TestLayer]:
     """Every layer of a CompressedCache's session, as TestLayers."""
     session = cache.session
     return [TestLayer(session, i, session.num_layers) for i in range(session.num_layers)]
+
+
+def shipped_folder(method: str, name: str, wanted: dict):
+    """The folder shipped for ``method`` and the built-in model ``name``, checked to be the one found by the
+    model's name and the one found by its shapes ``wanted``."""
+    from types import SimpleNamespace
+
+    from kvcompress.methods.shipped import shipped_checkpoint
+
+    by_name = shipped_checkpoint(method, SimpleNamespace(_name_or_path=f"/somewhere/{name}"), wanted)
+    by_shape = shipped_checkpoint(method, SimpleNamespace(_name_or_path="/somewhere/model.gguf"), wanted)
+    assert by_name == by_shape and by_name.name == name
+    return by_name

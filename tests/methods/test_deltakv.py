@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from common import layers_of, tiny_codec, tiny_model
+from common import layers_of, shipped_folder, tiny_codec, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress import CompressedCache, get_method
 from kvcompress.methods import method_from_spec
@@ -240,15 +240,7 @@ def test_sessions_of_one_method_share_its_codec_tiers():
 def test_codecs_ship_for_both_built_in_models(name, shapes):
     """The package ships a codec for the embedded model and the second one, found by name or by shape, trained
     for the method's default (codes in 4 bits) and leaving a layer of the model full."""
-    from types import SimpleNamespace
-
-    from kvcompress.methods.shipped import shipped_checkpoint
-
-    wanted = dict(zip(("num_layers", "num_kv_heads", "head_dim"), shapes))
-    by_name = shipped_checkpoint("deltakv", SimpleNamespace(_name_or_path=f"/somewhere/{name}"), wanted)
-    by_shape = shipped_checkpoint("deltakv", SimpleNamespace(_name_or_path="/somewhere/model.gguf"), wanted)
-    assert by_name == by_shape and by_name.name == name
-    weights = DeltaKVWeights.load(by_name)
+    weights = DeltaKVWeights.load(shipped_folder("deltakv", name, dict(zip(("num_layers", "num_kv_heads", "head_dim"), shapes))))
     assert (weights.dims["num_layers"], weights.dims["num_kv_heads"], weights.dims["head_dim"]) == shapes
     about = weights.about
     assert about["model"] == name and about["settings"]["bits"] == get_method("deltakv").bits

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcompress as kvc
-from common import tiny_model
+from common import shipped_folder, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress.methods.retention import LOG_BETA, RetentionGates, log_retention_score
 from kvcompress.train.retention import RetentionTraining, losses, train_retention
@@ -222,14 +222,7 @@ def test_the_shipped_checkpoint_is_chosen_by_the_model(model, tmp_path, monkeypa
 @pytest.mark.parametrize("name, shapes", [("smollm2-135m-instruct", (30, 3, 576)), ("qwen2.5-coder-0.5b", (24, 2, 896))])
 def test_gates_ship_for_both_built_in_models(name, shapes):
     """The package ships gates for the embedded model and the second one, found by name or by shape."""
-    from types import SimpleNamespace
-
-    from kvcompress.methods.shipped import shipped_checkpoint
-
-    wanted = dict(zip(("num_layers", "num_kv_heads", "hidden_size"), shapes))
-    by_name = shipped_checkpoint("retention", SimpleNamespace(_name_or_path=f"/somewhere/{name}"), wanted)
-    by_shape = shipped_checkpoint("retention", SimpleNamespace(_name_or_path="/somewhere/model.gguf"), wanted)
-    assert by_name == by_shape and by_name.name == name
+    by_name = shipped_folder("retention", name, dict(zip(("num_layers", "num_kv_heads", "hidden_size"), shapes)))
     gates = RetentionGates.load(by_name)
     assert (gates.dims["num_layers"], gates.dims["num_kv_heads"], gates.dims["hidden_size"]) == shapes
     assert json.loads((by_name / "config.json").read_text())["model"] == name

@@ -23,9 +23,10 @@ class DeltaKV(Method):
     """DeltaKV (seed 004): references every ``stride`` tokens and the sinks stay raw; every other token
     keeps z = f_c(x) − f_c(mean of its 4 nearest earlier references) (the shipped codecs: half the
     token's width in 4 bits; the paper's: a quarter in 16) and is rebuilt as f_d(z) + mean on read
-    (RoPE re-applied); the newest tokens stay raw and are coded ``chunk`` at a time (METHODS.md "DeltaKV"). Nothing is evicted: kr falls with the stride and the
-    code width, cr stays 1. As ``codec="deltakv"`` of a method that keeps every entry (OmniKV, Quest),
-    only the entries that method reads are rebuilt.
+    (RoPE re-applied); the newest tokens stay raw and are coded ``chunk`` at a time (METHODS.md
+    "DeltaKV"). Nothing is evicted: kr falls with the stride and the code width, cr stays 1. As
+    ``codec="deltakv"`` of a method that keeps every entry (OmniKV, Quest), only the entries that
+    method reads are rebuilt.
 
     Options:
         checkpoint: a folder from ``kvcompress train deltakv`` (None: the one shipped for the model).

@@ -3,14 +3,15 @@
 A token of a layer is one vector over every KV head, x = concat(keys, values) ∈ R^{2·H·d}, with
 **pre-RoPE** keys (RoPE is undone with the token's position and re-applied on read). Tokens at
 positions ``i mod stride = 0`` and the first ``sinks`` are *references*, stored raw. Every other
-token keeps only a residual code z = f_c(x) − f_c(m) of width d_c (a quarter of 2·H·d), m the mean
-of its ``top_k`` nearest earlier references by L2, and the ids of those references; reading it
-gives x̂ = f_d(z) + m. f_c is a SwiGLU block beside a linear path and f_d a bias-free linear map (the
-paper's "light" variant: reconstruction is what runs at every step), one pair per layer; inputs are
-divided by a per-channel scale fixed from the first training batch. Training starts from the best
-linear code (``fit_principal``: the linear path and the decoder on the residuals' top d_c principal
-components, the SwiGLU's output at zero) — from a random start an hour on two cores left a codec
-with 2.8× the error of that closed form (docs/results.md, session 9).
+token keeps only a residual code z = f_c(x) − f_c(m) of width d_c (the paper's: a quarter of 2·H·d;
+the shipped codecs: half, stored in 4 bits), m the mean of its ``top_k`` nearest earlier references
+by L2, and the ids of those references; reading it gives x̂ = f_d(z) + m. f_c is a SwiGLU block
+beside a linear path and f_d a bias-free linear map (the paper's "light" variant: reconstruction is
+what runs at every step), one pair per layer; inputs are divided by a per-channel scale fixed from
+the first training batch. Training starts from the best linear code (``fit_principal``: the linear
+path and the decoder on the residuals' top d_c principal components, the SwiGLU's output at zero)
+— from a random start, 32 minutes on two cores left a codec with 2.8× the error of that closed
+form (docs/results.md, session 9).
 
 In the slot pool this is two tiers whose blocks are one token of one layer, an entry per KV head
 (entry id = block · H + head, so the slot tables stay per head):
@@ -204,7 +205,8 @@ CODE_QUANTIZER = KiviCodec(4, 1, torch.float16)  # 4-bit codes: per token, a flo
 
 
 def four_bit(z: torch.Tensor) -> torch.Tensor:
-    """Codes z [..., d_c] as 4-bit codes read them back (float32)."""
+    """Codes z [..., d_c] rounded as the store keeps them in 4 bits (per token, a float16 zero point and
+    scale), read back as float32."""
     codes, zero, scale = CODE_QUANTIZER.quantize(z.float().reshape(-1, z.shape[-1]), dim=1)
     return torch.addcmul(zero.float(), codes.float(), scale.float()).reshape(z.shape)
 
