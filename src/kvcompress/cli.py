@@ -432,8 +432,9 @@ def cmd_train(args) -> int:
     + config.json; a folder with an unfinished run of the same settings is resumed."""
     from .eval import outdir
 
-    if args.data is not None and not Path(args.data).is_file():
-        raise FileNotFoundError(f"--data {args.data}: no such file (a JSONL task file or a plain text file)")
+    from .train.loop import data_sources
+
+    data_sources(args.data)  # a missing file is an error before the model loads
     run = _training_run(args)
     out = Path(args.out)
     outdir.check_out(out, overwrite=args.overwrite, resume=(out / "run.json").is_file())
@@ -651,8 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 retention, 1e-4 deltakv)")
     t.add_argument("--next-token", type=float, default=None, help="weight of the next-token loss (default: 0)")
     t.add_argument("--save-every", type=_count, default=100, help="steps between saved states (and snapshots in steps/)")
-    t.add_argument("--data", default=None, help="a JSONL task file or a text file (default: sequences from the built-in "
-                   "task generators at seeds the eval never uses)")
+    t.add_argument("--data", default=None, help="JSONL task files or text files, comma-separated; 'generated' names the "
+                   "built-in task generators at seeds the eval never uses (the default); a mix draws each sequence from "
+                   "one source at random")
     r = t.add_argument_group("retention")
     r.add_argument("--budget", type=_count, default=128, help="entries per KV head in the capacity term (× layers × KV heads)")
     r.add_argument("--width", type=_count, default=16, help="gate MLP width")

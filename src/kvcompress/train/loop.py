@@ -1,8 +1,9 @@
 """What every training run shares: its data, its schedule, and a resumable loop with snapshots.
 
 Data: sequences the project generates — its built-in tasks (needles, variables, common words
-hidden in its own prose) at seeds the evaluation never uses, with their answers — or a file
-(``--data``: a JSONL task file or plain text cut into ``seq_len`` tokens). A run is deterministic
+hidden in its own prose) at seeds the evaluation never uses, with their answers — or files
+(``--data``: JSONL task files or plain text cut into ``seq_len`` tokens, comma-separated, with
+``generated`` for the tasks: a mix draws each sequence from one source at random). A run is deterministic
 for a seed and resumable: ``--out`` keeps ``state.pt`` (parameters, optimizer, step, losses)
 every ``save_every`` steps, a later call with the same folder and settings continues from there
 (``run.json`` records them; other settings are refused), and the parameters of those steps stay in
@@ -28,10 +29,31 @@ GENERATED_DATA = ("generated: the built-in tasks niah_single, niah_multikey, nia
                   "contexts of seq_len/2 to seq_len−64 tokens")
 
 
+GENERATED = "generated"  # in --data: the built-in task generators
+
+
+def data_sources(data: str | None) -> list[str]:
+    """The sources ``--data`` names: comma-separated files and ``generated`` (None: ``generated`` alone).
+    Raises a clear error for a file that does not exist (before any model loads)."""
+    sources = [part.strip() for part in (data or GENERATED).split(",") if part.strip()]
+    missing = [part for part in sources if part != GENERATED and not Path(part).is_file()]
+    if not sources or missing:
+        raise FileNotFoundError(f"--data {data}: no such file {', '.join(missing) or '(none given)'}; give JSONL task "
+                                f"files or plain text files, and '{GENERATED}' for the built-in tasks, comma-separated")
+    return sources
+
+
 def training_sequences(tokenizer, seq_len: int, seed: int, data: str | None = None) -> Iterator[list[int]]:
-    """An endless, seeded stream of token id lists of at most ``seq_len`` tokens (see the module docstring)."""
-    if data is not None:
-        yield from _file_sequences(tokenizer, Path(data), seq_len, seed)
+    """An endless, seeded stream of token id lists of at most ``seq_len`` tokens (see the module docstring).
+    With several sources (``data_sources``) each sequence comes from one drawn at random, alike."""
+    sources = data_sources(data)
+    if len(sources) > 1:
+        streams = [training_sequences(tokenizer, seq_len, seed + i, source) for i, source in enumerate(sources)]
+        rng = random.Random(seed)
+        while True:
+            yield next(rng.choice(streams))
+    if sources[0] != GENERATED:
+        yield from _file_sequences(tokenizer, Path(sources[0]), seq_len, seed)
         return
     from ..eval.tasks import make_task
 
@@ -54,8 +76,6 @@ def _sample_ids(tokenizer, sample, seq_len: int) -> list[int]:
 
 
 def _file_sequences(tokenizer, path: Path, seq_len: int, seed: int) -> Iterator[list[int]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file (a JSONL task file or a plain text file)")
     if path.suffix == ".jsonl":
         from ..eval.tasks import load_task_file
 
@@ -171,5 +191,5 @@ def mean_tail(history: list, last: int = 20) -> dict:
     return {k: round(sum(r[k] for r in tail) / len(tail), 6) for k in keys}
 
 
-__all__ = ["FIRST_TRAIN_SEED", "GENERATED_DATA", "TRAIN_TASKS", "fit", "mean_tail", "training_sequences", "use_attention",
-           "warmup_cosine"]
+__all__ = ["FIRST_TRAIN_SEED", "GENERATED", "GENERATED_DATA", "TRAIN_TASKS", "data_sources", "fit", "mean_tail",
+           "training_sequences", "use_attention", "warmup_cosine"]
