@@ -237,3 +237,20 @@ def test_a_codec_saved_before_the_linear_path_loads_with_it_at_zero(tmp_path):
     save_file({k: v for k, v in stored.items() if not k.startswith("w_linear")}, str(tmp_path / "codec" / "model.safetensors"))
     loaded = DeltaKVWeights.load(tmp_path / "codec")
     assert torch.equal(loaded.w_linear, torch.zeros_like(weights.w_linear))
+
+
+def test_a_linear_codec_has_no_swiglu_path_and_round_trips(tmp_path):
+    """Hidden width 0: f_c is the linear path alone, nothing of the SwiGLU is stored, and it loads back."""
+    model = tiny_model(layers=2)
+    weights = DeltaKVWeights(2, H, D, model.model.rotary_emb.inv_freq, hidden=0).requires_grad_(False)
+    weights.w_linear.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(5, 2 * H * D, generator=torch.Generator().manual_seed(5))
+    assert torch.allclose(weights.compress(1, x), x @ weights.w_linear[1])
+    weights.save(tmp_path / "linear", model="tiny")
+    from safetensors.torch import load_file
+
+    assert not any(k.startswith(("w_gate", "w_up", "w_down")) for k in load_file(str(tmp_path / "linear" / "model.safetensors")))
+    loaded = DeltaKVWeights.load(tmp_path / "linear")
+    step = weights.w_linear.abs().amax(1, keepdim=True) / 127  # 8 bits per number, within half a step
+    assert loaded.dims["hidden"] == 0 and bool(((loaded.w_linear - weights.w_linear).abs() <= step * 0.5001 + 1e-7).all())
+    assert torch.allclose(loaded.compress(1, x), x @ loaded.w_linear[1])

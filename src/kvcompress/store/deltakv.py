@@ -100,7 +100,7 @@ class DeltaKVWeights(nn.Module):
 
     Args:
         num_layers, num_kv_heads, head_dim: of the model.
-        hidden: the compressor's width d_h.
+        hidden: the compressor's width d_h (0: no SwiGLU path, a linear codec).
         code_width: d_c (default a quarter of 2·H·d, the paper's).
         inv_freq: the model's RoPE frequencies [d/2].
     """
@@ -132,7 +132,10 @@ class DeltaKVWeights(nn.Module):
 
     def compress(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         x = x.float() / self.scale[layer]
-        return x @ self.w_linear[layer] + (F.silu(x @ self.w_gate[layer]) * (x @ self.w_up[layer])) @ self.w_down[layer]
+        linear = x @ self.w_linear[layer]
+        if self.w_gate.shape[2] == 0:  # a linear codec (hidden width 0): no SwiGLU path
+            return linear
+        return linear + (F.silu(x @ self.w_gate[layer]) * (x @ self.w_up[layer])) @ self.w_down[layer]
 
     def code(self, layer: int, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         """z = f_c(x) − f_c(m) [..., d_c]."""
@@ -171,6 +174,8 @@ class DeltaKVWeights(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for name, value in self.state_dict().items():
+            if name in self.MATRICES and value.numel() == 0:  # the SwiGLU path of a linear codec
+                continue
             if name in self.MATRICES:
                 step = (value.abs().amax(1, keepdim=True) / 127).half().float().clamp_min(1e-12)  # [L, 1, out]
                 tensors[name] = torch.round(value / step).clamp(-127, 127).to(torch.int8)
@@ -192,10 +197,10 @@ class DeltaKVWeights(nn.Module):
         stored = load_file(str(directory / "model.safetensors"))
         tensors = {k: v.float() * stored[f"{k}.step"].float() if f"{k}.step" in stored else v.float()
                    for k, v in stored.items() if not k.endswith(".step")}
-        if "w_linear" not in tensors:  # a codec trained before the linear path existed computes f_c without it
-            tensors["w_linear"] = torch.zeros(c["num_layers"], 2 * c["num_kv_heads"] * c["head_dim"], c["code_width"])
         weights = cls(c["num_layers"], c["num_kv_heads"], c["head_dim"], tensors["inv_freq"], hidden=c["hidden"],
                       code_width=c["code_width"], stride=c["stride"], top_k=c["top_k"], sinks=c["sinks"])
+        for name in cls.MATRICES:  # absent: a linear codec's empty SwiGLU path, or a codec saved before the
+            tensors.setdefault(name, torch.zeros_like(getattr(weights, name)))  # linear path (f_c without it)
         weights.load_state_dict(tensors)
         weights.about = c
         return weights.eval().requires_grad_(False)
