@@ -3,9 +3,9 @@
 Data: sequences the project generates — its built-in tasks (needles, variables, common words
 hidden in its own prose) at seeds the evaluation never uses, with their answers — or files
 (``--data``: JSONL task files or plain text cut into ``seq_len`` tokens, comma-separated, with
-``generated`` for the tasks: a mix draws each sequence from one source at random). A run is deterministic
-for a seed and resumable: ``--out`` keeps ``state.pt`` (parameters, optimizer, step, losses)
-every ``save_every`` steps, a later call with the same folder and settings continues from there
+``generated`` for the tasks: a mix draws each sequence from one source at random). A run is
+deterministic for a seed and resumable: ``--out`` keeps ``state.pt`` (parameters, optimizer, step,
+losses) every ``save_every`` steps, a later call with the same folder and settings continues from there
 (``run.json`` records them; other settings are refused), and the parameters of those steps stay in
 ``steps/NNNNNN/`` (a held-out score against training steps).
 """
