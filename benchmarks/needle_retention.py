@@ -19,7 +19,7 @@ import kvcompress as kvc
 from kvcompress import CompressedCache
 from kvcompress.eval.tasks import make_task
 from kvcompress.generate import build_prompt, prefill
-from kvcompress.methods import REGISTRY, method_from_spec, parse_method_spec
+from kvcompress.methods import MethodSpec
 
 
 def needle_positions(prompt_ids: list[int], answer_ids: list[int]) -> list[int]:
@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = kvc.load_model()
     specs = args.methods.split(",")
-    methods = [method_from_spec(s, **({"ratio": args.ratio} if REGISTRY[parse_method_spec(s)[0]].needs_budget else {}))
+    methods = [MethodSpec.parse(s).build(**({"ratio": args.ratio} if MethodSpec.parse(s).takes_size else {}))
                for s in specs]
     totals = {m.label: [] for m in methods}
     for sample in make_task("niah_single", tokenizer, args.samples, args.context_tokens, seed=0):

@@ -131,6 +131,37 @@ def test_unreachable_hub_says_what_works_offline(monkeypatch):
     assert ".gguf" in str(err.value)
 
 
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_a_hub_id_not_cached_fails_at_once_when_the_hub_does_not_answer(monkeypatch):
+    from huggingface_hub import constants, file_download
+
+    endpoint = f"http://127.0.0.1:{_closed_port()}"  # a hub that refuses every connection
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    real, asked = file_download.get_hf_file_metadata, []
+
+    def counted(*args, **kwargs):
+        asked.append(args or kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(file_download, "get_hf_file_metadata", counted)
+    with pytest.raises(OSError, match="could not load 'org/missing' from the Hugging Face hub") as err:
+        load_model("org/missing")
+    assert ".gguf" in str(err.value)
+    assert len(asked) == 1  # one request, not the hub client's retries (five, with ~23 s of back-off)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match="could not load 'org/missing'"):
+        load_model("org/missing")
+    assert len(asked) == 1  # offline mode: not even that request
+
+
 @pytest.mark.parametrize(
     ("given", "expected"),
     [(None, torch.float32), ("float16", torch.float16), ("torch.bfloat16", torch.bfloat16),

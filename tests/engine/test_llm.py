@@ -98,11 +98,11 @@ def test_coded_requests_equal_the_single_request_cache(spec):
     """Coded storage in the engine (KIVI, DeltaKV, each alone and under another method): the same tokens as the
     single-request cache with the same codec, entries coded as they arrive (prompts and answers span several
     blocks and chunks), every block and reference released at the end."""
-    from kvcompress.methods import method_from_spec
+    from kvcompress.methods import get_method
 
     model = sharp_model(seed=2)
     codec = tiny_codec(model)
-    method = method_from_spec(spec.replace("CODEC", codec) + ("" if "CODEC" in spec or "deltakv" not in spec else f':checkpoint="{codec}"'))
+    method = get_method(spec.replace("CODEC", codec) + ("" if "CODEC" in spec or "deltakv" not in spec else f':checkpoint="{codec}"'))
     llm = make_llm(model)
     prompts = prompts_of([64, 90, 41], seed=3)
     outs = run_staggered(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), method, every=3)

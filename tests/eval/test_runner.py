@@ -258,3 +258,85 @@ def test_error_per_layer_gives_each_method_one_color_and_each_size_a_style():
         assert [lines[f"{method}@{b}"].get_linestyle() for b in (64, 128, 256)] == ["-", "--", ":"]
     assert len({lines[f"{m}@64"].get_color() for m in ("snapkv", "adakv", "h2o")}) == 3
     plt.close(fig)
+
+
+def test_report_title_states_the_prompt_lengths_run_not_the_context_tokens_setting(tmp_path):
+    from kvcompress.eval.report import write_json
+
+    settings = {"context_tokens": 1536, "samples": 10, "seed": 0, "query_aware": False, "max_new_tokens": None, "tasks": [],
+                "task_files": ["my.jsonl"]}
+    rows = [{"method": "full", "budget": None, "ratio": None, "task": "toy", "n": 2, "score": 50.0, "kr": 1.0, "cr": 1.0,
+             "decode_ms_per_token": 1.0}]
+
+    def run(name, lengths=None, predictions=()):
+        (tmp_path / name).mkdir()
+        extra = {"prompt_tokens": lengths} if lengths else {}
+        write_json(tmp_path / name / "results.json", rows, model="m", seed=0, settings=settings, **extra)
+        (tmp_path / name / "predictions.jsonl").write_text("".join(json.dumps({"prompt_tokens": n}) + "\n" for n in predictions))
+        return str(tmp_path / name)
+
+    first, same = run("one", [561, 583]), run("two", predictions=[583, 561, 570])  # the second: lengths from its predictions
+    assert cli_main(["report", first, same, "--out", str(tmp_path / "a")]) == 0
+    title = (tmp_path / "a" / "results.md").read_text().splitlines()[0]
+    assert "prompts of 561–583 tokens" in title and "1536" not in title and "differ" not in title
+    saved = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert saved["prompt_tokens"] == [561, 583] and saved["prompt_tokens_by_run"] == [[561, 583], [561, 583]]
+    longer = run("three", [900, 950])
+    assert cli_main(["report", first, longer, "--out", str(tmp_path / "b")]) == 0
+    title = (tmp_path / "b" / "results.md").read_text().splitlines()[0]
+    assert "prompts of 561–950 tokens (the merged runs' prompt lengths differ)" in title
+    assert cli_main(["report", str(tmp_path / "b"), "--out", str(tmp_path / "c")]) == 0  # a report of a report stays honest
+    assert "differ" in (tmp_path / "c" / "results.md").read_text().splitlines()[0]
+
+
+def test_context_label_names_the_setting_only_for_built_in_tasks():
+    from kvcompress.eval.report import context_label
+
+    assert context_label({"context_tokens": 1536, "task_files": []}, [[1540, 1560]]) == "1536 context tokens"
+    assert context_label({"context_tokens": 1536, "task_files": ["f.jsonl"]}, [[570, 570]]) == "prompts of 570 tokens"
+    assert context_label({"context_tokens": 1536, "task_files": ["f.jsonl"]}, [None]) == "prompt lengths unknown"
+    assert "recorded by 1 of 2" in context_label({"task_files": ["f.jsonl"]}, [[500, 600], None])
+
+
+def _colors(fig) -> dict[str, str]:
+    """Each legend entry's color in a figure (lines and scattered points alike)."""
+    from matplotlib.colors import to_hex
+
+    colors = {}
+    for ax in fig.axes:
+        for line in ax.lines:
+            colors[line.get_label()] = to_hex(line.get_color())
+        for points in ax.collections:
+            colors[points.get_label()] = to_hex(points.get_facecolor()[0])
+    return colors
+
+
+def test_a_method_has_one_color_in_every_plot_whatever_else_is_in_it():
+    from kvcompress.diagnose import layer_error_figure
+    from kvcompress.eval.report import accuracy_by_task_figure, accuracy_figure, plt
+
+    first = accuracy_figure(_rows(["snapkv", "h2o"], ["all"]), "t")
+    second = accuracy_by_task_figure(_rows(["quest", "snapkv", "adakv", "h2o"], ["a", "b"]), "t")
+    third = accuracy_figure(_rows(["streamingllm", "snapkv"], ["all"]) + [
+        {"method": "gvote", "budget": None, "ratio": None, "task": "all", "n": 4, "score": 60.0, "kr": 0.3, "cr": 0.3}], "t", axis="cr")
+    rows = [{"method": m, "budget": 64, "ratio": None, "label": f"{m}@64", "rel_error_per_layer": [0.1, 0.2]}
+            for m in ("adakv", "quest", "snapkv", "keepkv[key_rule=votes]")]
+    fourth = layer_error_figure(rows, "t")
+    seen: dict[str, set] = {}
+    for fig in (first, second, third, fourth):
+        for label, color in _colors(fig).items():
+            seen.setdefault(label.split("@")[0], set()).add(color)
+        plt.close(fig)
+    assert {"snapkv", "h2o", "quest", "adakv", "gvote", "streamingllm"} <= set(seen)
+    assert all(len(colors) == 1 for colors in seen.values()), seen
+    assert len({next(iter(c)) for m, c in seen.items() if m != "keepkv[key_rule=votes]"}) == len(seen) - 1  # all distinct
+
+
+def test_method_colors_follow_the_registry_and_variants_keep_their_base_color():
+    from kvcompress.eval.report import method_color, method_style
+
+    registered = __import__("kvcompress").available_methods()
+    assert len({method_color(m) for m in registered}) == len(registered)  # every registered method its own color
+    variant = method_style("keepkv[key_rule=votes]")
+    assert variant["color"] == method_color("keepkv") and variant != method_style("keepkv")  # the base's color, its own line
+    assert method_color("not-a-method") == method_color("not-a-method")  # a stable fallback

@@ -10,7 +10,7 @@ import torch
 from common import layers_of, shipped_folder, tiny_codec, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress import CompressedCache, get_method
-from kvcompress.methods import method_from_spec
+from kvcompress.methods import get_method
 from kvcompress.store.deltakv import DeltaKVCodec, DeltaKVWeights, reference_mask
 from kvcompress.train.deltakv import DeltaKVTraining, train_deltakv
 
@@ -129,7 +129,7 @@ def test_selection_over_deltakv_rebuilds_only_the_entries_it_reads(monkeypatch):
     model = tiny_model(seed=6, layers=4)
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
     codec = f'deltakv:recent=8:checkpoint="{tiny_codec(model)}"'
-    cache = CompressedCache(model, method_from_spec(f"omnikv:filters=(1,):recent=8:sinks=2:codec='{codec}'", budget=24))
+    cache = CompressedCache(model, get_method(f"omnikv:filters=(1,):recent=8:sinks=2:codec='{codec}'", budget=24))
     with torch.no_grad():
         logits = model(ids, past_key_values=cache).logits
         rebuilt.clear()
@@ -227,7 +227,7 @@ def test_the_train_verb_writes_a_checkpoint_the_method_loads(what, flags, tiny_c
 def test_sessions_of_one_method_share_its_codec_tiers():
     model = tiny_model(seed=8, layers=2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(8))
-    method = method_from_spec(f"omnikv:filters=(1,):codec='deltakv:recent=4:checkpoint=\"{tiny_codec(model)}\"'", budget=16)
+    method = get_method(f"omnikv:filters=(1,):codec='deltakv:recent=4:checkpoint=\"{tiny_codec(model)}\"'", budget=16)
     shared = CompressedCache(model, compress_on_prefill=False)
     with torch.no_grad():
         model(ids, past_key_values=shared)

@@ -6,7 +6,7 @@ import torch
 
 from common import layers_of, tiny_model
 from kvcompress import CompressedCache, get_method
-from kvcompress.methods import method_from_spec
+from kvcompress.methods import get_method
 from kvcompress.store.slots import TIER_SHIFT
 
 D, HEADS, LAYERS = 16, 2, 2  # tiny_model's head dim, KV heads and layers
@@ -59,7 +59,7 @@ def test_snapkv_with_a_kivi_codec_keeps_what_snapkv_keeps_in_fewer_bytes():
     model = tiny_model(seed=2)
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
     plain = CompressedCache(model, get_method("snapkv", ratio=0.5, window=8))
-    coded = CompressedCache(model, method_from_spec('snapkv:window=8:codec="kivi:bits=4:group_size=8:residual=8"', ratio=0.5))
+    coded = CompressedCache(model, get_method('snapkv:window=8:codec="kivi:bits=4:group_size=8:residual=8"', ratio=0.5))
     for cache in (plain, coded):
         with torch.no_grad():
             model(ids, past_key_values=cache)
@@ -122,7 +122,7 @@ def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypa
     monkeypatch.setattr(KiviCodec, "decode", lambda self, arrays, entries: decoded.append(entries.numel()) or original(self, arrays, entries))
     model = tiny_model(seed=6, layers=4)
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
-    method = method_from_spec('omnikv:filters=(1,):recent=8:sinks=2:codec="kivi:group_size=8:residual=8"', budget=24)
+    method = get_method('omnikv:filters=(1,):recent=8:sinks=2:codec="kivi:group_size=8:residual=8"', budget=24)
     cache = CompressedCache(model, method)
     with torch.no_grad():
         logits = model(ids, past_key_values=cache).logits

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcompress.methods import REGISTRY, get_method, method_from_spec
+from kvcompress.methods import REGISTRY, get_method
 
 
 @pytest.mark.parametrize("spec,size,message", [
@@ -21,13 +21,13 @@ from kvcompress.methods import REGISTRY, get_method, method_from_spec
 ])
 def test_bad_options_name_the_option_the_value_and_what_is_expected(spec, size, message):
     with pytest.raises(ValueError, match=message):
-        method_from_spec(spec, **size)
+        get_method(spec, **size)
 
 
 def test_well_typed_options_are_accepted_and_normalized():
     assert get_method("snapkv", ratio=1).ratio == 1.0 and isinstance(get_method("snapkv", ratio=1).ratio, float)
-    assert method_from_spec("omnikv:filters=[1,3]", ratio=0.5).filters == (1, 3)
-    assert method_from_spec("keepkv:similarity_threshold=None", ratio=0.5).similarity_threshold is None
+    assert get_method("omnikv:filters=[1,3]", ratio=0.5).filters == (1, 3)
+    assert get_method("keepkv:similarity_threshold=None", ratio=0.5).similarity_threshold is None
     with pytest.raises(ValueError, match="option ratio='0.5' must be a number"):
         get_method("snapkv", ratio="0.5")  # from Python: a string is not a ratio
 
@@ -55,4 +55,4 @@ def test_a_method_list_splits_at_commas_outside_quotes_and_brackets():
     text = 'full, deltakv:full_layers=(1,2,16),quest:compress_with="snapkv:ratio=0.5,window=8",omnikv:filters=[2,8]'
     assert split_method_list(text) == ["full", "deltakv:full_layers=(1,2,16)", 'quest:compress_with="snapkv:ratio=0.5,window=8"',
                                        "omnikv:filters=[2,8]"]
-    assert method_from_spec(split_method_list(text)[1]).full_layers == (1, 2, 16)
+    assert get_method(split_method_list(text)[1]).full_layers == (1, 2, 16)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from common import tiny_model
 import kvcompress as kvc
-from kvcompress.methods import get_method, method_from_spec
+from kvcompress.methods import get_method
 from kvcompress.methods.omnikv import OmniKV, filter_layers
 from kvcompress.methods.quest import Quest, page_bounds
 from kvcompress.read import attend_reference, attention_probs, group_queries, read
@@ -195,7 +195,7 @@ def test_cr_is_the_entries_read_per_decoding_step_over_the_steps():
 def test_quest_over_a_snapkv_compressed_cache_holds_what_snapkv_keeps():
     model = tiny_model(layers=2)
     ids = torch.randint(3, 128, (1, 80))
-    composed = method_from_spec('quest:compress_with="snapkv:budget=32:window=8":page_size=4', budget=12)
+    composed = get_method('quest:compress_with="snapkv:budget=32:window=8":page_size=4', budget=12)
     assert composed.inner.name == "snapkv"
     caches = {m: kvc.CompressedCache(model, method) for m, method in
               (("snapkv", get_method("snapkv", budget=32, window=8)), ("composed", composed))}
@@ -214,7 +214,7 @@ def test_bad_compositions_fail_clearly():
     with pytest.raises(ValueError, match="unknown method"):
         get_method("quest", budget=8, compress_with="nothing:budget=4")
     with pytest.raises(ValueError, match="close every quote"):
-        method_from_spec('quest:compress_with="snapkv:budget=4', budget=8)
+        get_method('quest:compress_with="snapkv:budget=4', budget=8)
 
 
 def test_selection_in_the_engine_is_per_request_and_equals_the_single_request_cache():
@@ -223,7 +223,7 @@ def test_selection_in_the_engine_is_per_request_and_equals_the_single_request_ca
     model = sharp_model(seed=2, layers=4)
     llm = make_llm(model)
     methods = [get_method("quest", budget=24, page_size=8, recent=8, sinks=2), get_method("omnikv", budget=24, filters=(1,), recent=8),
-               get_method("full"), method_from_spec('quest:compress_with="snapkv:budget=40:window=8"', budget=20, page_size=4, recent=4)]
+               get_method("full"), get_method('quest:compress_with="snapkv:budget=40:window=8"', budget=20, page_size=4, recent=4)]
     prompts = prompts_of([64, 90, 41, 120], seed=3)
     params = kvc.SamplingParams(max_tokens=10, ignore_eos=True)
     ids = [llm.add_request(p, params, m) for p, m in zip(prompts, methods)]

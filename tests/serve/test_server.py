@@ -131,7 +131,28 @@ BAD = [
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "retention", "budget": 8}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "w1", "max_tokens": 10_000}, 400, "max_tokens"),
-    ({"model": MODEL_NAME, "prompt": "w1", "n": 2}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "w1", "n": 0}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "w1", "n": 1000}, 400, "n"),
+    (b'{"model": "tiny", "prompt": "w1", "temperature": NaN}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "w1", "top_p": Infinity}', 400, "top_p"),
+    (b'{"model": "tiny", "prompt": "w1", "kv_compression": {"method": "snapkv", "ratio": NaN}}', 400, "kv_compression"),
+    (b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, "prompt"),  # a lone surrogate: not Unicode text
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "retention", "ratio": 0.5, "checkpoint": "/tmp"}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapk:window=4", "ratio": 0.5}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv:window=4", "window": 8, "ratio": 0.5}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "echo": True}, 400, "echo"),
+    ({"model": MODEL_NAME, "prompt": "w1", "best_of": 3}, 400, "best_of"),
+    ({"model": MODEL_NAME, "prompt": "w1", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": MODEL_NAME, "prompt": "w1", "suffix": "w2"}, 400, "suffix"),
+    ({"model": MODEL_NAME, "prompt": "w1", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "w1", "top_k": -2}, 400, "top_k"),
+    ({"model": MODEL_NAME, "prompt": "w1", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"model": MODEL_NAME, "prompt": "w1", "frequency_penalty": -2.5}, 400, "frequency_penalty"),
+    ({"model": MODEL_NAME, "prompt": "w1", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL_NAME, "prompt": "w1", "stop": 5}, 400, "stop"),
+    ({"model": MODEL_NAME, "prompt": "w1", "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+    ({"model": MODEL_NAME, "prompt": "w1", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": MODEL_NAME, "prompt": "w1", "tools": [{"type": "function"}]}, 400, "tools"),  # not a completions field
     ({"model": MODEL_NAME, "prompt": "w1", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL_NAME, "prompt": "w1 " * 450}, 400, "prompt"),
     ({"model": MODEL_NAME, "prompt": [5] * 500, "max_tokens": 20}, 400, "prompt"),
@@ -223,18 +244,21 @@ def test_a_full_queue_answers_429():
 
 
 SERVE_SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import sys, time, torch
     sys.path.insert(0, {tests!r})
     from common import tiny_model
     from conftest import tiny_tokenizer
     import kvcompress as kvc
     from kvcompress.serve import run
     llm = kvc.LLM(model_and_tokenizer=(tiny_model(), tiny_tokenizer()), kv_memory="4MiB")
+    step = llm.step
+    llm.step = lambda: (time.sleep(0.05), step())[1]  # slow steps: the requests in flight outlive the grace period
     run(llm, model_name="tiny", method=kvc.get_method("full"), port={port}, log_level="warning")
 """)
 
 
-def test_sigterm_stops_the_server_within_15_seconds(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_server_within_15_seconds_and_requests_in_flight_get_json(tmp_path, sig):
     port = _free_port()
     script = tmp_path / "serve.py"
     script.write_text(SERVE_SCRIPT.format(tests=str(Path(__file__).parents[1]), port=port))
@@ -250,14 +274,131 @@ def test_sigterm_stops_the_server_within_15_seconds(tmp_path):
                 pass
             assert time.time() < deadline and process.poll() is None, "the server did not start"
             time.sleep(0.2)
-        body = {"model": "tiny", "prompt": "w1 " * 300, "max_tokens": 150, "stream": True}
-        streaming = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body, timeout=60))
-        streaming.start()  # a long request in flight when the signal comes
+        answers = []
+
+        def ask(stream):
+            body = {"model": "tiny", "prompt": "w1 " * 300, "max_tokens": 150, "stream": stream, "ignore_eos": True}
+            try:
+                answers.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+            except httpx.HTTPError as error:  # the connection closed with the server: no answer to check
+                answers.append(error)
+
+        clients = [threading.Thread(target=ask, args=(stream,)) for stream in (True, False)]
+        for client in clients:
+            client.start()  # long requests in flight when the signal comes
         time.sleep(1.0)
         start = time.time()
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(sig)
         process.wait(timeout=15)
         assert time.time() - start < 15
+        for client in clients:
+            client.join(timeout=15)
+        streamed, whole = answers if isinstance(answers[0], httpx.Response) and answers[0].headers["content-type"].startswith(
+            "text/event-stream") else answers[::-1]
+        assert whole.status_code == 503 and whole.json()["error"]["type"] == "server_error"  # stopped: JSON, not a plain 500
+        events = [line for line in streamed.text.splitlines() if line]
+        assert events[-1] == "data: [DONE]" and "shut down" in json.loads(events[-2][len("data: "):])["error"]["message"]
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_nan_temperature_is_refused_and_the_next_request_answers_with_the_pool_empty(server):
+    body = b'{"model": "tiny", "max_tokens": 3, "prompt": "w1 w2", "temperature": NaN}'
+    response = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+    assert server.client.completions.create(model=MODEL_NAME, prompt="w1 w2 w3", max_tokens=2).choices[0].text is not None
+    assert httpx.get(server.url + "/health").status_code == 200
+    metrics = server.metrics()
+    assert metrics["kvcompress_kv_pool_used_bytes"] == 0 and metrics["kvcompress_requests_running"] == 0
+
+
+def test_an_engine_bug_fails_the_requests_in_flight_with_a_500_and_the_server_goes_on(server, monkeypatch):
+    step = server.llm.step
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 2:  # after the prefill: the first decoding step raises
+            raise RuntimeError("an engine bug")
+        return step()
+
+    monkeypatch.setattr(server.llm, "step", broken)
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": words(20), "max_tokens": 5,
+                                                                 "ignore_eos": True})
+    assert response.status_code == 500 and "an engine bug" in response.json()["error"]["message"]
+    assert response.json()["error"]["type"] == "server_error"
+    assert server.client.completions.create(model=MODEL_NAME, prompt="w1 w2 w3", max_tokens=2).choices
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.metrics()["kvcompress_kv_pool_used_bytes"] == 0 and server.metrics()["kvcompress_engine_errors"] >= 1
+
+
+def test_unknown_routes_and_methods_answer_in_openais_shape(server):
+    missing = httpx.get(server.url + "/v1/nothing")
+    assert missing.status_code == 404 and "/v1/nothing" in missing.json()["error"]["message"]
+    wrong = httpx.get(server.url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_request_ids_are_uuids_unique_across_requests(server):
+    ids = {server.client.completions.create(model=MODEL_NAME, prompt="w1 w2", max_tokens=1).id for _ in range(4)}
+    assert len(ids) == 4 and all(len(i.split("-", 1)[1]) == 32 for i in ids)
+
+
+def test_completion_logprobs_equal_the_engines_and_stream_the_same(server):
+    body = {"model": MODEL_NAME, "prompt": words(30, seed=4), "max_tokens": 4, "temperature": 0, "logprobs": 3,
+            "kv_compression": {"method": "full"}, "ignore_eos": True}
+    choice = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    engine = kvc.LLM(model_and_tokenizer=(server.llm.model, server.llm.tokenizer), kv_memory="2MiB")
+    want = engine.generate(body["prompt"], kvc.SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0].logprobs
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in want], abs=1e-5)
+    assert [len(top) for top in choice["logprobs"]["top_logprobs"]] == [3] * 4
+    assert len(choice["logprobs"]["tokens"]) == 4 and choice["logprobs"]["text_offset"][0] == 0
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [v for c in chunks for v in ((c["choices"][0]["logprobs"] or {}).get("token_logprobs") or [])]
+    assert streamed == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-6)
+
+
+def test_chat_logprobs_and_top_logprobs_in_openais_shape(server):
+    reply = server.client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": words(12)}],
+                                                  max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens and all(len(item.top_logprobs) == 2 for item in content)
+    assert all(item.logprob <= 0 and item.top_logprobs[0].logprob >= item.logprob - 1e-6 for item in content)
+
+
+def test_n_answers_come_as_choices_whole_and_streamed(server):
+    reply = server.client.completions.create(model=MODEL_NAME, prompt=words(15), max_tokens=3, n=3, temperature=1.0, seed=5,
+                                             extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2] and reply.usage.completion_tokens == 9
+    chunks = list(server.client.completions.create(model=MODEL_NAME, prompt=words(15), max_tokens=3, n=2, stream=True))
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+    assert server.metrics()["kvcompress_kv_pool_used_bytes"] == 0
+
+
+def test_fields_not_built_are_refused_naming_them_in_chat(server):
+    message = [{"role": "user", "content": "w1"}]
+    for extra, field in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"top_logprobs": 2}, "top_logprobs")):
+        response = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": message, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+    fine = {"model": MODEL_NAME, "messages": message, "max_tokens": 1, "response_format": {"type": "text"}, "tools": [],
+            "user": "someone"}
+    assert httpx.post(server.url + "/v1/chat/completions", json=fine).status_code == 200
+
+
+def test_a_method_spec_in_kv_compression_is_read_by_the_one_parser(server):
+    reply = server.client.completions.create(model=MODEL_NAME, prompt=words(80), max_tokens=2,
+                                             extra_body={"kv_compression": {"method": "snapkv:window=4", "ratio": 0.25}})
+    assert reply.usage.model_extra["kv_bytes"] < reply.usage.model_extra["kv_bytes_full"] / 2
+
+
+def test_a_short_prompt_under_the_default_method_answers_as_the_full_cache(server):
+    body = {"model": MODEL_NAME, "prompt": "w5 w6 w7 w8 w9", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    default = httpx.post(server.url + "/v1/completions", json=body).json()
+    full = httpx.post(server.url + "/v1/completions", json={**body, "kv_compression": {"method": "full"}}).json()
+    assert default["choices"][0]["text"] == full["choices"][0]["text"]
+    assert default["usage"]["kv_bytes"] == full["usage"]["kv_bytes"]

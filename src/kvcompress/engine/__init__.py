@@ -3,6 +3,6 @@ every running request in one batched read per layer, and ``LLM`` (the offline AP
 
 from .llm import LLM
 from .request import RequestOutput
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "TokenLogprob"]

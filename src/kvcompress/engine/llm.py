@@ -10,6 +10,12 @@ number of requests. Each step admits the waiting requests that fit (prefilled on
 their own method), then decodes every running request in one batched forward; requests
 finish on their own (max_tokens, end of sequence, a stop string) and give their slots back.
 ``add_request`` / ``step`` / ``abort`` drive the same loop one step at a time (the server).
+
+One request's failure is that request's alone: whatever raises while its prompt is prefilled or
+compressed, its token sampled or its text decoded finishes it with ``finish_reason="error"`` and the
+error's message, and frees its slots; a batched decoding step that raises is redone request by
+request (each recomputed from its tokens, as after a preemption), so the request at fault fails
+alone and the others go on.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from ..models import load_model, model_facts
 from ..store.slots import PoolExhausted, SlotPool
 from .request import Request, RequestOutput
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprob
 from .scheduler import Scheduler
 
 
@@ -72,18 +78,33 @@ class LLM:
 
     # ----- the offline API -------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], sampling_params: SamplingParams | None = None,
-                 method: Method | str | Sequence[Method] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (strings are used as they are: apply the chat template yourself; or
-        token-id lists). ``method`` is one method for all, a list with one per prompt, or None (``full``).
-        All prompts are checked before any is started; the outputs come in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+                 method: Method | str | Sequence[Method | str] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt: a string (used as it is: apply the chat template yourself, or use
+        ``chat``), a list of strings, or token-id lists. ``method`` is one method (or spec) for all, a list
+        with one per prompt, or None (``full``). All prompts are checked before any is started; the outputs
+        come in the prompts' order, ``n`` per prompt (``index`` 0 … n-1) when ``sampling_params.n`` > 1."""
+        prompts = self._prompt_list(prompts)
         methods = self._methods(method, len(prompts))
         params = sampling_params or SamplingParams()
         checked = [self.check_prompt(prompt, params) for prompt in prompts]
+        return self._run(checked, params, methods, use_tqdm)
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]], sampling_params: SamplingParams | None = None,
+             method: Method | str | Sequence[Method | str] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate a reply to each conversation (one conversation — a list of ``{"role", "content"}`` — or a
+        list of them), each put through the tokenizer's chat template with the assistant's turn opened."""
+        if isinstance(conversations, Sequence) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        if not isinstance(conversations, Sequence) or isinstance(conversations, str) or not conversations:
+            raise ValueError("conversations must be a list of messages ({'role', 'content'}) or a list of such lists")
+        methods = self._methods(method, len(conversations))
+        params = sampling_params or SamplingParams()
+        checked = [self.check_prompt(self.chat_prompt(conversation), params) for conversation in conversations]
+        return self._run(checked, params, methods, use_tqdm)
+
+    def _run(self, checked: list[list[int]], params: SamplingParams, methods: list[Method], use_tqdm: bool) -> list[RequestOutput]:
         self._reset_stats()
-        requests = [self._add(ids, params, m) for ids, m in zip(checked, methods)]
+        requests = [self._add(ids, params, m, index) for ids, m in zip(checked, methods) for index in range(params.n)]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="request")
         while any(not r.finished for r in requests):
             done = sum(r.finished for r in requests)
@@ -93,11 +114,12 @@ class LLM:
         return [self._output(r) for r in requests]
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-                    method: Method | str | None = None) -> int:
-        """Queue one request (checked first); its id. ``step`` advances it, ``output`` reads it."""
+                    method: Method | str | None = None, index: int = 0) -> int:
+        """Queue one request (checked first); its id. ``step`` advances it, ``output`` reads it. ``index``
+        numbers the answers of one prompt (``n`` > 1: a request each, seeded ``seed + index``)."""
         params = sampling_params or SamplingParams()
         ids = self.check_prompt(prompt, params)
-        return self._add(ids, params, self._methods(method, 1)[0]).id
+        return self._add(ids, params, self._methods(method, 1)[0], index).id
 
     def request(self, request_id: int) -> Request | None:
         """A request the engine still knows (running, waiting, or finished and not yet read)."""
@@ -113,11 +135,11 @@ class LLM:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({sampling_params.max_tokens}) need {need} "
                              f"KV slots but the pool holds {self.pool.capacity}: shorten the prompt, lower max_tokens or keep less")
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request now; its slots go back to the pool."""
+    def abort(self, request_id: int, reason: str = "abort", error: str | None = None) -> None:
+        """Stop a request now (``reason`` "abort", or "error" with its message); its slots go back to the pool."""
         request = self._requests.get(request_id)
         if request is not None and not request.finished:
-            self.scheduler.finish(request, "abort")
+            self.scheduler.finish(request, reason, error)
 
     def output(self, request_id: int) -> RequestOutput:
         """A request's output so far (``finish_reason`` None while it runs); a finished one is forgotten."""
@@ -140,16 +162,46 @@ class LLM:
         decoding = [r for r in self.scheduler.running if r not in touched]
         self.scheduler.make_room()
         decoding = [r for r in decoding if r in self.scheduler.running]
-        if decoding:
-            start = time.perf_counter()
-            logits = self.runner.decode(decoding)
-            self._stats["decode_s"] += time.perf_counter() - start
-            self._stats["decode_tokens"] += len(decoding)
-            for request, row in zip(decoding, logits):
-                self._accept(request, row)
-            touched += decoding
+        batch = [r for r in decoding if not r.suspect]
+        if batch:
+            touched += self._decode(batch)
+        for request in decoding:
+            if request.suspect:  # in a batch that failed: decoded alone until it shows it is not at fault
+                touched += self._decode([request])
         if not self.scheduler.has_unfinished():
             self.pool.trim()  # idle: the pool's arrays give their memory back
+        return touched
+
+    def _decode(self, requests: list[Request]) -> list[Request]:
+        """One decoding step for ``requests``; a step that raises is redone request by request."""
+        start = time.perf_counter()
+        try:
+            logits = self.runner.decode(requests)
+        except PoolExhausted:
+            raise  # make_room keeps a step within the pool: running out here is the engine's bug
+        except Exception as error:
+            if len(requests) == 1:  # alone, so at fault
+                self._fail(requests[0], "decoding", error)
+                return requests
+            return self._decode_apart(requests)
+        self._stats["decode_s"] += time.perf_counter() - start
+        self._stats["decode_tokens"] += len(requests)
+        for request, row in zip(requests, logits):
+            request.suspect = False
+            self._accept(request, row)
+        return requests
+
+    def _decode_apart(self, requests: list[Request]) -> list[Request]:
+        """After a batched step failed: each request's session, left half-written, is dropped and recomputed
+        alone from its tokens (a prefill gives the next-token logits the step would have); each then decodes
+        alone (``suspect``) until a step of its own succeeds, so the one at fault fails alone."""
+        touched = []
+        for request in requests:
+            request.session.release()
+            request.session = None
+            request.suspect = True
+            if request in self.scheduler.running:
+                touched += self._prefill(request)
         return touched
 
     def _prefill(self, request: Request) -> list[Request]:
@@ -162,6 +214,9 @@ class LLM:
                 return []
             self.scheduler.finish(request, "error", "the prompt does not fit in the KV pool once compressed: raise kv_memory")
             return [request]
+        except Exception as error:  # this request's method, codec or prompt broke: it fails alone
+            self._fail(request, "prefill", error)
+            return [request]
         self._stats["prefill_s"] += time.perf_counter() - start
         self._stats["prefill_tokens"] += len(request.tokens)
         stats = request.session.stats()
@@ -169,9 +224,25 @@ class LLM:
         self._accept(request, logits)
         return [request]
 
+    def _fail(self, request: Request, stage: str, error: BaseException) -> None:
+        """Finish one request with an error (its slots freed); the engine goes on."""
+        self.scheduler.finish(request, "error", f"{stage} failed for this request ({type(error).__name__}: {error})")
+
     def _accept(self, request: Request, logits: torch.Tensor) -> None:
+        """Sample the next token, or fail this request alone if that raises."""
+        try:
+            self._take(request, logits)
+        except Exception as error:
+            self._fail(request, "sampling", error)
+
+    def _take(self, request: Request, logits: torch.Tensor) -> None:
         """Sample the next token; finish the request on end of sequence, a stop string or max_tokens."""
-        token = sample(logits, request.params, request.generator)
+        if bool(torch.isnan(logits).any()):
+            raise FloatingPointError("the model's next-token logits hold NaN (its compressed cache is broken)")
+        params = request.params
+        token = sample(logits, params, request.generator, request.prompt_ids, request.output_ids)
+        if params.logprobs is not None:
+            request.logprobs.append(token_logprob(logits, token, params.logprobs))
         request.output_ids.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
@@ -191,6 +262,15 @@ class LLM:
             self.scheduler.finish(request, reason)
 
     # ----- checks -------------------------------------------------------------------------------
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """One prompt (a string or a list of token ids) or a list of them, as a list."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of them, got {prompts!r:.80}")
+        return list(prompts)
+
     def _methods(self, method, count: int) -> list[Method]:
         if method is None or isinstance(method, Method | str):
             method = [method] * count
@@ -198,15 +278,31 @@ class LLM:
         if len(methods) != count:
             raise ValueError(f"{len(methods)} methods for {count} prompts: give one method, or one per prompt")
         for m in methods:
+            if not isinstance(m, Method):
+                raise ValueError(f"method must be a method (kvc.get_method(...)), a spec such as 'snapkv:ratio=0.1', or None; got {m!r}")
             m.check_model(self.model.config)
         return methods
 
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """A conversation's token ids through the tokenizer's chat template, the assistant's turn opened."""
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template: give prompts to generate() instead")
+        if not isinstance(messages, Sequence) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"a conversation is a non-empty list of {{'role': str, 'content': str}} messages, got {messages!r:.80}")
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        _check_text(text, "the conversation")
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
     def check_prompt(self, prompt, params: SamplingParams) -> list[int]:
-        """Token ids of a prompt, refused with a clear error when empty or too long."""
+        """Token ids of a prompt, refused with a clear error when empty, not text, or too long."""
         if isinstance(prompt, str):
+            _check_text(prompt, "the prompt")
             ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            raise ValueError(f"a prompt is a string or a list of token ids, got {prompt!r:.80}")
         if not ids:
             raise ValueError("empty prompt: give at least one token")
         vocab = self.model.config.vocab_size
@@ -218,9 +314,9 @@ class LLM:
                              f"{self.max_model_len} positions; shorten the prompt or lower max_tokens")
         return ids
 
-    def _add(self, ids: list[int], params: SamplingParams, method: Method) -> Request:
-        request = Request(next(self._ids), ids, params, method)
-        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + request.id
+    def _add(self, ids: list[int], params: SamplingParams, method: Method, index: int = 0) -> Request:
+        request = Request(next(self._ids), ids, params, method, index)
+        seed = params.seed + index if params.seed is not None else self.config.seed * 1_000_003 + request.id
         request.generator = torch.Generator().manual_seed(seed)
         self._requests[request.id] = request
         self.scheduler.add(request)
@@ -254,6 +350,15 @@ class LLM:
             "pool_peak_bytes": self.pool.peak_bytes,
             "pool_allocated_bytes": self.pool.peak_allocated,
         }
+
+
+def _check_text(text: str, what: str) -> None:
+    """Refuse text the tokenizer cannot take (a lone surrogate such as "\\ud800" is not Unicode text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid Unicode text: {error.reason} at character {error.start} "
+                         f"({text[error.start:error.end]!r}); remove it or send token ids") from None
 
 
 __all__ = ["LLM"]

@@ -11,7 +11,7 @@ import torch
 
 from ..methods import Method
 from ..session import Session
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -23,9 +23,10 @@ class Status(enum.Enum):
 @dataclass
 class RequestOutput:
     """What a request produced: ``text`` (stop strings cut), ``token_ids``, ``prompt_token_ids``,
-    ``finish_reason`` ("stop", "length", "abort" or "error" with ``error`` saying why) and ``stats``
+    ``finish_reason`` ("stop", "length", "abort" or "error" with ``error`` saying why), ``stats``
     (kv_bytes, kv_bytes_full, kr right after the prompt was compressed and ``*_end`` after the last
-    token; ttft_s; decode_s; preemptions)."""
+    token; ttft_s; decode_s; preemptions), ``index`` (which of its prompt's ``n`` answers this is) and
+    ``logprobs`` (one ``TokenLogprob`` per token when ``SamplingParams.logprobs`` asked for them)."""
 
     request_id: int
     text: str
@@ -34,6 +35,8 @@ class RequestOutput:
     finish_reason: str | None
     stats: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -44,6 +47,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     method: Method
+    index: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -55,7 +59,9 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    suspect: bool = False  # in a batched step that raised: decoded alone until a step of its own succeeds
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -78,7 +84,9 @@ class Request:
             stats["ttft_s"] = self.first_token_at - self.arrival
             if self.finished_at is not None and len(self.output_ids) > 1:
                 stats["decode_ms_per_token"] = 1000 * (self.finished_at - self.first_token_at) / (len(self.output_ids) - 1)
-        return RequestOutput(self.id, self.text, list(self.output_ids), list(self.prompt_ids), self.finish_reason, stats, self.error)
+        logprobs = list(self.logprobs) if self.params.logprobs is not None else None
+        return RequestOutput(self.id, self.text, list(self.output_ids), list(self.prompt_ids), self.finish_reason, stats,
+                             self.error, self.index, logprobs)
 
 
 __all__ = ["Request", "RequestOutput", "Status"]

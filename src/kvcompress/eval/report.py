@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -12,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .. import __version__  # noqa: E402
+from ..methods import available_methods  # noqa: E402
 from .outdir import save_figure, write_text  # noqa: E402
 
 
@@ -108,11 +110,39 @@ def accuracy_by_task_figure(rows: list[dict], title: str):
     return fig
 
 
-def method_colors(methods) -> dict[str, tuple]:
-    """One color per method (full: black), the same in every plot of a run."""
-    names = sorted(set(methods) - {"full"})
-    palette = plt.cm.tab20.colors
-    return {"full": (0.0, 0.0, 0.0), **{name: palette[i % len(palette)] for i, name in enumerate(names)}}
+# One color per registered method, in the registry's order (full: black), the same in every plot the
+# project draws: tab10, then five of tab20b's (quest's gold stays clear of snapkv's green, which it often
+# selects over). Names not in the registry (or past the palette) take one of tab20's light shades by a
+# stable hash of the name.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+           "#393b79", "#e7ba52", "#7b4173", "#637939", "#843c39")
+EXTRA = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")
+VARIANT_LINES = ("--", "-.", ":")
+VARIANT_MARKERS = ("s", "^", "v", "P", "X", "h")
+
+
+def method_color(name: str) -> str:
+    """The color of a method (a result row's ``method``) in every plot: fixed by its place in the registry;
+    a variant (``keepkv[key_rule=votes]``) takes its base method's color and ``method_style`` tells it apart."""
+    base = name.split("[", 1)[0]
+    if base == "full":
+        return "#000000"
+    names = [m for m in available_methods() if m != "full"]
+    if base in names and names.index(base) < len(PALETTE):
+        return PALETTE[names.index(base)]
+    return EXTRA[zlib.crc32(base.encode()) % len(EXTRA)]
+
+
+def method_style(name: str) -> dict:
+    """``color``, ``linestyle`` and ``marker`` of a method's line: a base method is solid with round
+    markers; each variant of it has its base's color with a dashed line and a marker of its own (stable:
+    chosen by a hash of its options)."""
+    base, _, options = name.partition("[")
+    if not options:
+        return {"color": method_color(name), "linestyle": "-", "marker": "o"}
+    code = zlib.crc32(options.encode())
+    return {"color": method_color(base), "linestyle": VARIANT_LINES[code % len(VARIANT_LINES)],
+            "marker": VARIANT_MARKERS[code // len(VARIANT_LINES) % len(VARIANT_MARKERS)]}
 
 
 def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
@@ -120,17 +150,17 @@ def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
     for r in rows:
         if r["task"] == task:
             series[r["method"]].append((r.get(axis, r["kr"]), r["score"]))
-    colors = method_colors(r["method"] for r in rows)  # the same method gets the same color in every panel
-    for method, points in sorted(series.items()):
+    for method, points in sorted(series.items()):  # a method has the same color in every plot (method_style)
         points.sort()
         xs, ys = zip(*points)
-        color = colors[method]
+        style = method_style(method)
         if method == "full":
             ax.scatter(xs, ys, marker="*", s=180, color="black", label="full", zorder=3)
-        elif len(points) == 1:  # adaptive methods: one point at the kr they chose
-            ax.scatter(xs, ys, marker="D", s=60, color=color, edgecolors="black", label=method, zorder=4)
+        elif len(points) == 1:  # adaptive methods: one point at the kr they chose (a variant: its own marker)
+            marker = "D" if style["linestyle"] == "-" else style["marker"]
+            ax.scatter(xs, ys, marker=marker, s=60, color=style["color"], edgecolors="black", label=method, zorder=4)
         else:
-            ax.plot(xs, ys, marker="o", color=color, label=method)
+            ax.plot(xs, ys, label=method, **style)
     ax.set_xlabel("kr (KV bytes held ÷ full)" if axis == "kr" else "cr (entries read per decoding step ÷ full)")
     ax.set_ylabel("score (0–100)" + (", mean over tasks" if task == "all" else f", {task}"))
     ax.grid(alpha=0.3)
@@ -139,11 +169,13 @@ def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
 COMPARABLE = ("context_tokens", "samples", "limit", "seed", "query_aware", "max_new_tokens", "tasks", "task_files")
 
 
-def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
+def merge_results(paths: list[Path]) -> tuple[list[dict], dict, list]:
     """Rows of several ``results.json`` files of comparable eval runs (same context length,
-    samples, seed, protocol and tasks), later files winning on the same method × size × task."""
+    samples, seed, protocol and tasks), later files winning on the same method × size × task;
+    their settings; and the prompt lengths each run recorded (``run_prompt_tokens``, for ``context_label``)."""
     merged: dict[tuple, dict] = {}
     settings: dict | None = None
+    lengths: list = []
     for path in paths:
         file = path / "results.json" if path.is_dir() else path
         if not file.exists():
@@ -162,4 +194,44 @@ def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
                              "merge runs with the same context length, samples, seed, protocol and tasks")
         for row in payload["rows"]:
             merged[(row["method"], row["budget"], row["ratio"], row["task"])] = row
-    return list(merged.values()), settings or {}
+        lengths += run_prompt_tokens(file, payload)
+    return list(merged.values()), settings or {}, lengths
+
+
+def run_prompt_tokens(file: Path, payload: dict) -> list:
+    """The prompt lengths a ``results.json`` records, as a list of ``[low, high]`` ranges (one per eval run: a
+    merged report keeps its runs' in ``prompt_tokens_by_run``); from the ``predictions.jsonl`` beside it when
+    the file has none; ``[None]`` when neither says."""
+    if payload.get("prompt_tokens_by_run"):
+        return payload["prompt_tokens_by_run"]
+    if payload.get("prompt_tokens"):
+        return [payload["prompt_tokens"]]
+    predictions = file.parent / "predictions.jsonl"
+    found = [json.loads(line).get("prompt_tokens") for line in predictions.read_text().splitlines()] if predictions.is_file() else []
+    found = [n for n in found if n]
+    return [[min(found), max(found)]] if found else [None]
+
+
+def context_label(settings: dict, prompt_tokens: list | None) -> str:
+    """What a title says of the context length: the settings' context tokens when only built-in tasks ran
+    (they are generated at that length); with task files, whose contexts have their own lengths, the prompt
+    lengths really run, from ``prompt_tokens``: one ``[low, high]`` range per run (None: not recorded). A
+    merge of runs whose lengths differ says so."""
+    if not settings.get("task_files"):
+        return f"{settings.get('context_tokens')} context tokens"
+    known = [r for r in prompt_tokens or [] if r]
+    if not known:
+        return "prompt lengths unknown"
+    low, high = prompt_span(known)
+    label = f"prompts of {low}–{high} tokens" if low != high else f"prompts of {low} tokens"
+    if len({tuple(r) for r in known}) > 1:
+        label += " (the merged runs' prompt lengths differ)"
+    if len(known) < len(prompt_tokens):
+        label += f" (recorded by {len(known)} of {len(prompt_tokens)} merged runs)"
+    return label
+
+
+def prompt_span(prompt_tokens: list) -> list[int] | None:
+    """``[shortest, longest]`` over runs' ``[low, high]`` prompt-length ranges (None where none is known)."""
+    known = [r for r in prompt_tokens if r]
+    return [min(r[0] for r in known), max(r[1] for r in known)] if known else None

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..hf import CompressedCache
 from ..generate import GenerateOutput, answer, build_prompt, check_inputs, prefill
-from ..methods import REGISTRY, Method, get_method, parse_method_spec
+from ..methods import Method, MethodSpec, get_method
 from .metrics import score
 from .tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, Sample, load_task_file, make_task
 
@@ -63,15 +63,15 @@ def method_grid(settings: EvalSettings) -> list[Method]:
     method whose spec carries its own size (``snapkv:budget=16``)."""
     grid = [get_method("full")]
     sizes = [("budget", b) for b in settings.budgets or []] + [("ratio", r) for r in settings.ratios or []]
-    for spec in settings.methods:
-        name, options = parse_method_spec(spec)
-        if name == "full" and not options:
+    for text in settings.methods:
+        spec = MethodSpec.parse(text)
+        if spec.name == "full" and not spec.options:
             continue
-        if not REGISTRY[name].needs_budget or "budget" in options or "ratio" in options:
-            grid.append(get_method(name, **options))
+        if not spec.takes_size or spec.sized:
+            grid.append(spec.build())
             continue
         for kind, value in sizes:
-            grid.append(get_method(name, **{kind: value}, **options))
+            grid.append(spec.build(**{kind: value}))
     return grid
 
 

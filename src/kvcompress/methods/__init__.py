@@ -1,8 +1,8 @@
 """The method registry: one file per method, one name per method.
 
-``get_method(name, budget=... | ratio=..., **options)`` builds a configured method;
-``available_methods()`` lists the names. ``parse_method_spec("keepkv:key_rule=votes:refresh_every=16")``
-reads the command line's form of a method with options.
+``get_method(spec, budget=... | ratio=..., **options)`` builds a configured method from a name or a
+spec with options (``"keepkv:key_rule=votes:refresh_every=16"``, read by ``MethodSpec``, the one
+parser); ``available_methods()`` lists the names.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import shlex
 import typing
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from .adakv import AdaKV
 from .base import Method, Needs, ScoreMethod
@@ -40,18 +40,75 @@ def available_methods() -> list[str]:
     return list(REGISTRY)
 
 
-def get_method(name: str, **options) -> Method:
-    """Build a method by registry name, e.g. ``get_method("snapkv", budget=128, window=32)``."""
-    key = name.strip().lower()
-    if key not in REGISTRY:
-        raise ValueError(f"unknown method {name!r}; available methods: {', '.join(available_methods())}")
-    cls = REGISTRY[key]
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"{key} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(known))}")
-    hints = typing.get_type_hints(cls)
-    return cls(**{name: _typed(key, name, value, hints[name]) for name, value in options.items()})
+def get_method(spec: str, **options) -> Method:
+    """Build a method from its spec and keyword options: ``get_method("snapkv", budget=128, window=32)``,
+    ``get_method("snapkv:window=16", ratio=0.25)``. The spec grammar is ``MethodSpec``'s; a spec and a
+    keyword may not both set one option (or both give a size)."""
+    return MethodSpec.parse(spec).build(**options)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method's spec read once: its registry ``name`` and the ``options`` written after it.
+
+    Grammar: ``name[:option=value]...``. Values are Python literals (numbers, True, None, 'text',
+    (1, 2)); ``inf`` is float("inf"); anything else is kept as text. A value holding colons (another
+    method's spec) goes in quotes: ``quest:compress_with="snapkv:ratio=0.5"``. This is the only place a
+    spec becomes a method: ``get_method``, ``generate``, ``kvc.LLM``, the command line, eval grids and the
+    server all come here."""
+
+    name: str
+    options: dict
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"a method spec is a method's name, optionally with options (snapkv:window=16), got {text!r}; "
+                             f"available methods: {', '.join(available_methods())}")
+        name, *parts = _split_spec(text)
+        key = name.strip().lower()
+        if key not in REGISTRY:
+            where = f" in the spec {text!r}" if parts else ""
+            raise ValueError(f"unknown method {name.strip()!r}{where}; available methods: {', '.join(available_methods())}")
+        options = {}
+        for part in parts:
+            option, sep, value = part.partition("=")
+            if not sep or not option.strip():
+                raise ValueError(f"bad option {part!r} in the spec {text!r}: write name:option=value, e.g. keepkv:key_rule=votes")
+            if option.strip() in options:
+                raise ValueError(f"the spec {text!r} sets {option.strip()} twice: set it once")
+            options[option.strip()] = _literal(value.strip())
+        return cls(key, options, text.strip())
+
+    @property
+    def sized(self) -> bool:
+        """Whether the spec gives its own size (``snapkv:budget=16``)."""
+        return "budget" in self.options or "ratio" in self.options
+
+    @property
+    def takes_size(self) -> bool:
+        """Whether the method is sized by a budget or ratio (``full``, GVote and coders size themselves)."""
+        return REGISTRY[self.name].needs_budget
+
+    def build(self, **options) -> Method:
+        """The method, with ``options`` added to the spec's (a ``budget``/``ratio`` of None counts as not given);
+        every option checked against its declared type."""
+        options = {k: v for k, v in options.items() if not (k in ("budget", "ratio") and v is None)}
+        if self.sized and ("budget" in options or "ratio" in options):
+            raise ValueError(f"{self.text!r} gives its own size and budget=/ratio= (or --budget/--ratio) gives another: "
+                             "give the size once")
+        twice = sorted(set(self.options) & set(options))
+        if twice:
+            raise ValueError(f"{self.text!r} sets {', '.join(twice)} and so does a keyword option: set each option once")
+        options = {**self.options, **options}
+        cls = REGISTRY[self.name]
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"{self.name} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(known))}")
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: _typed(self.name, name, value, hints[name]) for name, value in options.items()})
 
 
 def _typed(method: str, name: str, value, hint):
@@ -81,22 +138,6 @@ def _typed(method: str, name: str, value, hint):
     if not ok:
         raise ValueError(f"{method}: option {name}={value!r} must be {expected}")
     return value
-
-
-def parse_method_spec(spec: str) -> tuple[str, dict]:
-    """``"name:option=value:..."`` → (name, options). Values are Python literals (numbers, True,
-    None, 'text'); ``inf`` is float("inf"); anything else is kept as a string. A value holding
-    colons (another method's spec) goes in quotes: ``quest:compress_with="snapkv:ratio=0.5"``."""
-    name, *parts = _split_spec(spec)
-    options = {}
-    for part in parts:
-        key, sep, text = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"bad method option {part!r} in {spec!r}: write name:option=value, e.g. keepkv:key_rule=votes")
-        options[key.strip()] = _literal(text.strip())
-    if name.strip().lower() not in REGISTRY:
-        raise ValueError(f"unknown method {name!r}; available methods: {', '.join(available_methods())}")
-    return name.strip().lower(), options
 
 
 def split_method_list(text: str) -> list[str]:
@@ -138,10 +179,4 @@ def _literal(text: str):
         return text
 
 
-def method_from_spec(spec: str, **size) -> Method:
-    """A method from its command-line form plus a size (``budget=`` or ``ratio=``)."""
-    name, options = parse_method_spec(spec)
-    return get_method(name, **size, **options)
-
-
-__all__ = ["REGISTRY", "Method", "Needs", "ScoreMethod", "available_methods", "get_method", "method_from_spec", "parse_method_spec"]
+__all__ = ["REGISTRY", "Method", "MethodSpec", "Needs", "ScoreMethod", "available_methods", "get_method", "split_method_list"]

@@ -144,9 +144,9 @@ class Method:
             return built[1]
         if not isinstance(self.codec, str):
             raise ValueError(f"codec must name a coding method such as \"kivi:bits=4\", got {self.codec!r}")
-        from . import method_from_spec
+        from . import get_method
 
-        coder = method_from_spec(self.codec)
+        coder = get_method(self.codec)
         if type(coder).storage is Method.storage:
             raise ValueError(f"codec={self.codec!r} is not a codec; coding methods: kivi, deltakv")
         if coder.name == "deltakv" and not self.keeps_every_entry:
@@ -208,11 +208,20 @@ class Method:
         return {}
 
     # ----- budgets --------------------------------------------------------------------------
+    @property
+    def always_kept(self) -> int:
+        """Entries per KV head the method keeps of any prompt whatever its size (sinks, an observation
+        window): a prompt no longer than this is kept whole, since compressing it would only keep less
+        than the method means to."""
+        return 0
+
     def kept_per_head(self, context_tokens: int) -> int | None:
         """Entries per KV head (on average over layers) the method keeps of a prompt of ``context_tokens``,
         or None when it cannot say before seeing the prompt (it may keep everything)."""
         if not self.needs_budget:
             return None
+        if context_tokens <= self.always_kept:
+            return context_tokens
         if self.budget is not None:
             return min(self.budget, context_tokens)
         return max(1, int(context_tokens * self.ratio + 1e-9))
@@ -227,13 +236,21 @@ class Method:
             budgets = torch.clamp((tokens.double() * self.ratio + 1e-9).floor().long(), min=1)
         if bool((budgets >= tokens).any()):
             context.note("budget >= context length for some rows: everything kept there")
-        return torch.minimum(budgets, tokens)
+        short = tokens <= self.always_kept
+        if bool(short.any()):
+            context.note(f"{self.name} always keeps {self.always_kept} entries per head (sinks and window): a prompt no "
+                         "longer than that is kept whole")
+        return torch.where(short, tokens, torch.minimum(budgets, tokens))
 
     def decode_budget(self, context: LayerContext) -> torch.Tensor:
-        """Per-row entries per head allowed while decoding: the budget, or ratio × tokens so far."""
+        """Per-row entries per head allowed while decoding: the budget, or ratio × tokens so far (everything while
+        the row holds no more than the method always keeps)."""
+        tokens = context.tokens_seen
         if self.budget is not None:
-            return torch.full_like(context.tokens_seen, self.budget)
-        return torch.clamp((context.tokens_seen.double() * self.ratio).ceil().long(), min=1)
+            budgets = torch.full_like(tokens, self.budget)
+        else:
+            budgets = torch.clamp((tokens.double() * self.ratio).ceil().long(), min=1)
+        return torch.where(tokens <= self.always_kept, tokens, budgets)
 
 
 # ----- selection helpers (plain tensor code, tested against references) ------------------------
@@ -433,6 +450,10 @@ class ScoreMethod(Method):
     @property
     def acts_while_decoding(self) -> bool:  # type: ignore[override]
         return self.evict_while_decoding
+
+    @property
+    def always_kept(self) -> int:
+        return self.sinks
 
     @property
     def decodes_all_layers(self) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from ..store.deltakv import DeltaKVCodec, DeltaKVWeights
 from .base import Method
-from .shipped import DATA, load_shipped, shipped_checkpoint
+from .shipped import DATA, check_checkpoint, load_shipped, shipped_checkpoint
 
 SHIPPED = DATA / "deltakv"  # one folder per model with a shipped checkpoint
 EMBEDDED = "smollm2-135m-instruct"
@@ -59,9 +59,7 @@ class DeltaKV(Method):
             raise ValueError(f"deltakv: bits must be None (codes in the model's dtype) or 4, got {self.bits!r}")
         if self.recent < 0 or self.chunk < 1:
             raise ValueError(f"deltakv: recent must be ≥ 0 and chunk ≥ 1, got recent={self.recent}, chunk={self.chunk}")
-        if self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_dir():
-            raise ValueError(f"deltakv: checkpoint {self.checkpoint!r} is not a folder; give the --out of "
-                             "`kvcompress train deltakv`")
+        check_checkpoint("deltakv", self.checkpoint)
 
     @cached_property
     def weights(self) -> DeltaKVWeights:

@@ -74,9 +74,9 @@ class Quest(Method):
             return None
         if not isinstance(self.compress_with, str):
             raise ValueError(f"compress_with must be a method spec such as \"snapkv:ratio=0.5\", got {self.compress_with!r}")
-        from . import method_from_spec
+        from . import get_method
 
-        inner = method_from_spec(self.compress_with)
+        inner = get_method(self.compress_with)
         if inner.selects:
             raise ValueError("compress_with must evict or merge, not select")
         return inner

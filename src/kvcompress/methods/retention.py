@@ -30,7 +30,7 @@ from torch import nn
 
 from ..store.view import Edit, KVView, LayerContext
 from .base import PROTECTED_PRIORITY, Needs, ScoreMethod, global_sizes, plus_protected, top_per_head
-from .shipped import DATA, load_shipped, shipped_checkpoint
+from .shipped import DATA, check_checkpoint, load_shipped, shipped_checkpoint
 
 LOG_BETA = "retention_log_beta"
 SHIPPED = DATA / "retention"  # one folder per model with a shipped checkpoint
@@ -119,9 +119,7 @@ class Retention(ScoreMethod):
         super().__post_init__()
         if self.horizon < 1 or self.buffer < 0:
             raise ValueError(f"retention: horizon must be ≥ 1 and buffer ≥ 0, got horizon={self.horizon}, buffer={self.buffer}")
-        if self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_dir():
-            raise ValueError(f"retention: checkpoint {self.checkpoint!r} is not a folder; give the --out of "
-                             "`kvcompress train retention`")
+        check_checkpoint("retention", self.checkpoint)
 
     def needs(self) -> Needs:
         return Needs(hidden_states=True)

@@ -18,6 +18,19 @@ T = TypeVar("T")
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
+def check_checkpoint(method: str, checkpoint: str | None) -> None:
+    """Refuse, before any work, a ``checkpoint=`` that is not a folder written by ``kvcompress train <method>``."""
+    if checkpoint is None:
+        return
+    folder = Path(checkpoint).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"{method}: checkpoint {checkpoint!r} is not a folder; give the --out of `kvcompress train {method}`")
+    missing = [name for name in ("model.safetensors", "config.json") if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(f"{method}: checkpoint {checkpoint!r} has no {' or '.join(missing)}; give the --out of "
+                         f"`kvcompress train {method}`, which writes both")
+
+
 def shipped_folders(method: str) -> list[Path]:
     """The checkpoints shipped for ``method``, one per model, sorted by model name."""
     root = DATA / method

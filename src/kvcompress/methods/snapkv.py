@@ -45,6 +45,10 @@ class SnapKV(ScoreMethod):
     def needs(self) -> Needs:
         return Needs(window=self.window)
 
+    @property
+    def always_kept(self) -> int:
+        return self.window + self.sinks
+
     def score(self, view, context) -> torch.Tensor:
         queries = context.observations["window_queries"][:, :, -self.window :]
         query_positions = context.observations["window_positions"][:, -self.window :]

@@ -3,7 +3,8 @@
     kvcompress serve --method snapkv --ratio 0.1 --kv-memory 1GiB --host 127.0.0.1 --port 8000
 
 ``run`` starts uvicorn on ``build_app``; SIGTERM (or Ctrl-C) stops accepting at once, lets
-running requests finish for ``grace_s`` seconds, aborts the rest and exits.
+running requests finish for half of ``grace_s`` seconds, stops the rest (each answered with a 503
+error in OpenAI's shape, or an error event on a stream) and exits within ``grace_s``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ def run(llm, *, model_name: str, method, host: str = "127.0.0.1", port: int = 80
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # stop taking requests the moment the signal comes
             loop = app.state.engine.get("loop")
-            if loop is not None:
-                loop.stop_accepting()
+            if loop is not None:  # the engine's grace starts now, so stopped requests are answered before uvicorn's ends
+                loop.begin_shutdown(grace_s / 2)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s / 2)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s)
     Server(config).run()
 
 

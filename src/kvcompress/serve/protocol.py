@@ -7,11 +7,14 @@ and method options); without it the server's default method applies.
 
 from __future__ import annotations
 
+import math
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import RequestOutput, SamplingParams
+from ..engine import RequestOutput, SamplingParams, TokenLogprob
+from ..engine.sampling import MAX_LOGPROBS
 from ..methods import Method, get_method
 
 
@@ -29,11 +32,70 @@ class APIError(Exception):
 
 @dataclass
 class Limits:
-    """What the server accepts: tokens per prompt and per answer (``max_tokens`` above it is refused)."""
+    """What the server accepts: tokens per prompt and per answer (``max_tokens`` above it is refused), answers
+    per request."""
 
     max_prompt_tokens: int
     max_tokens: int
     default_max_tokens: int = 256
+    max_n: int = 16  # answers per request at most (each is a request in the engine)
+
+
+# Fields each endpoint reads; any other field is refused (400 naming it), so none is silently ignored.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "kv_compression",
+           "ignore_eos"}
+FIELDS = {False: _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
+          True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                           "parallel_tool_calls", "response_format", "functions", "function_call"}}
+# Fields refused unless at the value that asks for nothing (what each would need is not built).
+_NOT_BUILT = {
+    "echo": ((False,), "echo (the prompt repeated in the answer) is not supported; leave it out"),
+    "suffix": (("",), "suffix (text after the insertion point) is not supported; leave it out"),
+    "logit_bias": (({},), "logit_bias is not supported; leave it out"),
+    "tools": (([],), "tools (function calling) are not supported by this server; leave 'tools' out"),
+    "functions": (([],), "functions (function calling) are not supported by this server; leave them out"),
+    "tool_choice": (("none", "auto"), "tool_choice needs tools, which this server does not support; leave it out"),
+    "function_call": (("none",), "function_call needs functions, which this server does not support; leave it out"),
+    "parallel_tool_calls": ((), "parallel_tool_calls needs tools, which this server does not support; leave it out"),
+    "response_format": (({"type": "text"},), "response_format other than {\"type\": \"text\"} (JSON mode, schemas) is "
+                                             "not supported; leave it out"),
+}
+
+
+def openapi_body(chat: bool) -> dict:
+    """The request body's JSON schema for the OpenAPI document (what a client or a fuzzer reads): every field
+    this endpoint reads, with OpenAI's types and ranges."""
+    number = lambda low, high: {"type": "number", "minimum": low, "maximum": high}  # noqa: E731
+    fields: dict[str, Any] = {
+        "model": {"type": "string"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "temperature": number(0, 2), "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1}, "n": {"type": "integer", "minimum": 1},
+        "presence_penalty": number(-2, 2), "frequency_penalty": number(-2, 2),
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+        "seed": {"type": "integer"}, "user": {"type": "string"}, "ignore_eos": {"type": "boolean"},
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+        "kv_compression": {"type": "object", "required": ["method"], "properties": {
+            "method": {"type": "string"}, "budget": {"type": "integer", "minimum": 1},
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}},
+    }
+    if chat:
+        message = {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant"]}, "content": {"type": "string"}}}
+        fields |= {"messages": {"type": "array", "items": message, "minItems": 1},
+                   "max_completion_tokens": {"type": "integer", "minimum": 1},
+                   "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}}
+        required = ["model", "messages"]
+    else:
+        fields |= {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
+                   "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}, "echo": {"type": "boolean"},
+                   "best_of": {"type": "integer", "minimum": 1}}
+        required = ["model", "prompt"]
+    schema = {"type": "object", "required": required, "properties": fields}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 @dataclass
@@ -52,8 +114,8 @@ def _number(body: dict, name: str, default, kind, low=None, high=None, low_open=
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, kind):
-        kinds = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, kind) or (isinstance(value, float) and not math.isfinite(value)):
+        kinds = "an integer" if kind is int else "a finite number"
         raise APIError(400, f"'{name}' must be {kinds}, got {value!r}", name)
     if low is not None and (value <= low if low_open else value < low):
         raise APIError(400, f"'{name}' must be {'>' if low_open else '≥'} {low}, got {value!r}", name)
@@ -66,32 +128,29 @@ def parse(body: Any, *, chat: bool, model_name: str, default_method: Method, lim
     """Check a completions or chat-completions body; raise ``APIError`` naming the field at fault."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _known_fields(body, chat)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' is required: the served model's name (GET /v1/models)", "model")
     if model != model_name:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'", "model", code="model_not_found")
-    n = _number(body, "n", 1, int, 1)
-    if n != 1:
-        raise APIError(400, "only n=1 is supported (one answer per request)", "n")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = limits.default_max_tokens if chat else 16
-    max_tokens = _number(body, max_name, min(default, limits.max_tokens), int, 1, limits.max_tokens)
-    temperature = _number(body, "temperature", 1.0, (int, float), 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, (int, float), 0.0, 1.0, low_open=True)
-    seed = _number(body, "seed", None, int)
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "'stop' must be a string or a list of at most 4 non-empty strings", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"'stream' must be true or false, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
-    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed, stop=stop)
-    parsed = Parsed(params, _method(body.get("kv_compression"), default_method), stream, include_usage)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise APIError(400, "'stream_options' must be {\"include_usage\": true|false}", "stream_options")
+    n = _number(body, "n", 1, int, 1, limits.max_n)
+    best_of = _number(body, "best_of", None, int, 1)
+    if best_of is not None and best_of != n:
+        raise APIError(400, f"best_of={best_of} (drawing more answers than are returned) is not supported; give n alone", "best_of")
+    params = _sampling(body, n=n, max_tokens=_number(body, max_name, min(default, limits.max_tokens), int, 1, limits.max_tokens),
+                       logprobs=_logprobs(body, chat))
+    parsed = Parsed(params, _method(body.get("kv_compression"), default_method), stream,
+                    bool(options and options.get("include_usage")))
     if chat:
         parsed.messages = _messages(body.get("messages"))
     else:
@@ -99,14 +158,66 @@ def parse(body: Any, *, chat: bool, model_name: str, default_method: Method, lim
     return parsed
 
 
+def _known_fields(body: dict, chat: bool) -> None:
+    """Refuse a field this endpoint does not read, and a field it does not build unless it asks for nothing."""
+    unknown = sorted(set(body) - FIELDS[chat])
+    if unknown:
+        raise APIError(400, f"unknown field '{unknown[0]}' for /v1/{'chat/' if chat else ''}completions; this server reads: "
+                            f"{', '.join(sorted(FIELDS[chat]))}", unknown[0])
+    for name, (harmless, why) in _NOT_BUILT.items():
+        if name in body and body[name] is not None and body[name] not in harmless:
+            raise APIError(400, why, name)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise APIError(400, f"'user' must be a string (an end-user id), got {user!r}", "user")
+
+
+def _sampling(body: dict, *, n: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The sampling fields as vLLM defines them (OpenAI's ranges; top_k and repetition_penalty as vLLM's extras)."""
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a string or a list of at most 4 non-empty strings", "stop")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, f"'ignore_eos' must be true or false, got {ignore_eos!r}", "ignore_eos")
+    return SamplingParams(
+        max_tokens=max_tokens, n=n, stop=stop, logprobs=logprobs, ignore_eos=ignore_eos,
+        temperature=float(_number(body, "temperature", 1.0, (int, float), 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, (int, float), 0.0, 1.0, low_open=True)),
+        top_k=_number(body, "top_k", 0, int, -1),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, (int, float), -2.0, 2.0)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -2.0, 2.0)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, (int, float), 0.0, low_open=True)),
+        seed=_number(body, "seed", None, int))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token to report (None: no logprobs). Completions: ``logprobs`` is their count; chat:
+    ``logprobs`` true, and ``top_logprobs`` their count."""
+    if not chat:
+        return _number(body, "logprobs", None, int, 0, MAX_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise APIError(400, f"'logprobs' must be true or false, got {wanted!r}", "logprobs")
+    top = _number(body, "top_logprobs", None, int, 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
 def _method(spec: Any, default: Method) -> Method:
-    """The request's ``kv_compression`` as a method (the server's default without it)."""
+    """The request's ``kv_compression`` as a method (the server's default without it): ``method`` is a spec
+    (a name, or ``snapkv:window=16``), the other keys its size and options."""
     if spec is None:
         return default
     if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
         raise APIError(400, "'kv_compression' must be an object with a 'method' (and 'budget' or 'ratio', and method options), "
                             "e.g. {\"method\": \"adakv\", \"ratio\": 0.25}", "kv_compression")
     options = {k: v for k, v in spec.items() if k != "method"}
+    if any(isinstance(v, float) and not math.isfinite(v) for v in options.values()):
+        raise APIError(400, "kv_compression: options must be finite numbers (no NaN or Infinity)", "kv_compression")
     try:
         return get_method(spec["method"], **options)
     except (ValueError, TypeError) as error:
@@ -140,42 +251,70 @@ def _messages(messages: Any) -> list[dict]:
 
 
 # ----- answers ----------------------------------------------------------------------------------
-def usage(output: RequestOutput) -> dict:
-    completion = len(output.token_ids)
-    prompt = len(output.prompt_token_ids)
+def request_id(chat: bool) -> str:
+    """A request id unique across processes and machines (a random UUID), as OpenAI's and vLLM's."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    """Tokens of the prompt (once) and of every answer; the KV bytes held for the prompt (answer 0's)."""
+    completion = sum(len(o.token_ids) for o in outputs)
+    prompt = len(outputs[0].prompt_token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "kv_bytes": output.stats.get("kv_bytes"), "kv_bytes_full": output.stats.get("kv_bytes_full")}
+            "kv_bytes": outputs[0].stats.get("kv_bytes"), "kv_bytes_full": outputs[0].stats.get("kv_bytes_full")}
 
 
 def finish_reason(output: RequestOutput) -> str:
     return "length" if output.finish_reason == "length" else "stop"
 
 
-def completion(request_id: str, model: str, output: RequestOutput, chat: bool) -> dict:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(output), "logprobs": None}
+def logprobs(tokenizer, entries: list[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+    completions ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``offset``: characters before them)."""
+    if entries is None:
+        return None
+    text = lambda token_id: tokenizer.decode([token_id])  # noqa: E731
     if chat:
-        choice["message"] = {"role": "assistant", "content": output.text}
-    else:
-        choice["text"] = output.text
+        item = lambda token_id, value: {"token": text(token_id), "logprob": value,  # noqa: E731
+                                        "bytes": list(text(token_id).encode("utf-8", "replace"))}
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]} for e in entries]}
+    tokens = [text(e.token_id) for e in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
+
+
+def completion(request_id: str, model: str, outputs: list[RequestOutput], chat: bool, tokenizer) -> dict:
+    """The whole answer: a choice per output (its ``index``)."""
+    choices = []
+    for output in outputs:
+        choice: dict[str, Any] = {"index": output.index, "finish_reason": finish_reason(output),
+                                  "logprobs": logprobs(tokenizer, output.logprobs, chat)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": output.text}
+        else:
+            choice["text"] = output.text
+        choices.append(choice)
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(output)}
+            "model": model, "choices": choices, "usage": usage(outputs)}
 
 
-def chunk(request_id: str, model: str, chat: bool, text: str | None = None, finish: str | None = None, role: bool = False,
-          output: RequestOutput | None = None) -> dict:
-    """One streamed piece: new text, or the finish reason, or (``output`` given, no choices) the usage."""
+def chunk(request_id: str, model: str, chat: bool, index: int = 0, text: str | None = None, finish: str | None = None,
+          role: bool = False, logprobs: dict | None = None, outputs: list[RequestOutput] | None = None) -> dict:
+    """One streamed piece of choice ``index``: new text (and its tokens' ``logprobs``), or the finish reason,
+    or (``outputs`` given, no choices) the usage."""
     base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model}
-    if output is not None:
-        return {**base, "choices": [], "usage": usage(output)}
+    if outputs is not None:
+        return {**base, "choices": [], "usage": usage(outputs)}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
     return {**base, "choices": [choice]}
 
 
-__all__ = ["APIError", "Limits", "Parsed", "chunk", "completion", "parse", "usage"]
+__all__ = ["APIError", "FIELDS", "Limits", "Parsed", "chunk", "completion", "logprobs", "openapi_body", "parse", "request_id", "usage"]
