@@ -2,7 +2,8 @@
 
 Data: sequences the project generates — its built-in tasks (needles, variables, common words
 hidden in its own prose) at seeds the evaluation never uses, with their answers — or files
-(``--data``: JSONL task files or plain text cut into ``seq_len`` tokens, comma-separated, with
+(``--data``: JSONL task files or plain text cut into ``seq_len`` tokens, each document on its own where
+form feeds separate documents as ``kvcompress corpus`` writes them; comma-separated, with
 ``generated`` for the tasks: a mix draws each sequence from one source at random). A run is
 deterministic for a seed and resumable: ``--out`` keeps ``state.pt`` (parameters, optimizer, step,
 losses) every ``save_every`` steps, a later call with the same folder and settings continues from there
@@ -30,6 +31,7 @@ GENERATED_DATA = ("generated: the built-in tasks niah_single, niah_multikey, nia
 
 
 GENERATED = "generated"  # in --data: the built-in task generators
+DOCUMENT_SEPARATOR = "\f"  # in a --data text file: between documents (kvcompress.train.corpus writes it)
 
 
 def data_sources(data: str | None) -> list[str]:
@@ -81,14 +83,24 @@ def _file_sequences(tokenizer, path: Path, seq_len: int, seed: int) -> Iterator[
 
         sequences = [_sample_ids(tokenizer, s, seq_len) for s in load_task_file(str(path))]
     else:
-        ids = tokenizer(path.read_text(), add_special_tokens=False).input_ids
-        sequences = [ids[i : i + seq_len] for i in range(0, max(1, len(ids) - 16), seq_len)]
+        sequences = _text_sequences(tokenizer, path.read_text(), seq_len)
     sequences = [s for s in sequences if len(s) >= 16]
     if not sequences:
         raise ValueError(f"--data {path}: no sequence of at least 16 tokens in it")
     rng = random.Random(seed)
     while True:
         yield rng.choice(sequences)
+
+
+def _text_sequences(tokenizer, text: str, seq_len: int) -> list[list[int]]:
+    """Plain text cut into sequences of ``seq_len`` tokens, each document (the parts between form feeds;
+    a text without one is one document) on its own, so that no sequence spans two."""
+    documents = [d.strip("\n") for d in text.split(DOCUMENT_SEPARATOR)] if DOCUMENT_SEPARATOR in text else [text]
+    sequences = []
+    for start in range(0, len(documents), 256):
+        for ids in tokenizer([d for d in documents[start : start + 256] if d], add_special_tokens=False).input_ids:
+            sequences += [ids[i : i + seq_len] for i in range(0, max(1, len(ids) - 16), seq_len)]
+    return sequences
 
 
 def warmup_cosine(steps: int, warmup: float) -> Callable[[int], float]:
@@ -191,5 +203,5 @@ def mean_tail(history: list, last: int = 20) -> dict:
     return {k: round(sum(r[k] for r in tail) / len(tail), 6) for k in keys}
 
 
-__all__ = ["FIRST_TRAIN_SEED", "GENERATED", "GENERATED_DATA", "TRAIN_TASKS", "data_sources", "fit", "mean_tail",
-           "training_sequences", "use_attention", "warmup_cosine"]
+__all__ = ["DOCUMENT_SEPARATOR", "FIRST_TRAIN_SEED", "GENERATED", "GENERATED_DATA", "TRAIN_TASKS", "data_sources", "fit",
+           "mean_tail", "training_sequences", "use_attention", "warmup_cosine"]
