@@ -121,7 +121,8 @@ def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch
     ratios to ``full`` from the same run.
 
     The input is random token ids (the speed of attention does not depend on the text).
-    Each configuration runs once to warm up, then ``repeats`` times; the median is kept.
+    Each configuration runs once to warm up, then ``repeats`` rounds run every configuration once each
+    (interleaved, so the rows share whatever else the machine does); the median is kept.
     """
     limit = model.config.max_position_embeddings
     if context_tokens + decode_tokens > limit:
@@ -130,10 +131,17 @@ def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch
     vocab = model.config.vocab_size
     low = min(100, vocab // 2)  # skip the special tokens at the start of most vocabularies
     ids = torch.randint(low, vocab, (batch_size, context_tokens), generator=generator).to(model.device)
-    rows = []
-    for method in tqdm([None, *methods], desc=f"bench {context_tokens} tokens", disable=not progress):
+    configs = [None, *methods]
+    for method in configs:
         bench_one(model, method, ids[:, : min(256, context_tokens)], 2)  # warm-up
-        runs = [bench_one(model, method, ids, decode_tokens) for _ in range(repeats)]
+    measured: list[list[dict]] = [[] for _ in configs]
+    with tqdm(total=repeats * len(configs), desc=f"bench {context_tokens} tokens", disable=not progress) as bar:
+        for _ in range(repeats):  # round-robin, so a load that comes and goes falls on every row alike
+            for i, method in enumerate(configs):
+                measured[i].append(bench_one(model, method, ids, decode_tokens))
+                bar.update()
+    rows = []
+    for runs in measured:
         row = {}
         for key in runs[0]:
             values = [r[key] for r in runs]

@@ -133,10 +133,10 @@ def test_cli_eval_writes_every_file(tmp_path):
 def test_report_merges_comparable_runs_and_refuses_others(tmp_path, capsys):
     from kvcompress.eval.report import write_json
 
-    def run(name, rows, **changed):
+    def run(name, rows, model="m", **changed):
         settings = {"context_tokens": 1024, "samples": 8, "seed": 0, "query_aware": False, "max_new_tokens": None, **changed}
         (tmp_path / name).mkdir()
-        write_json(tmp_path / name / "results.json", rows, model="m", seed=0, settings=settings)
+        write_json(tmp_path / name / "results.json", rows, model=model, seed=0, settings=settings)
         return str(tmp_path / name)
 
     def row(method, ratio, score, task="a"):
@@ -151,11 +151,16 @@ def test_report_merges_comparable_runs_and_refuses_others(tmp_path, capsys):
     merged = json.loads((out / "results.json").read_text())["rows"]
     assert sorted((r["method"], r["score"]) for r in merged) == [("full", 90.0), ("gvote", 60.0), ("snapkv", 45.0)]
     assert (out / "accuracy_vs_kr.png").exists()
+    assert json.loads((out / "results.json").read_text())["model"] == "m"  # the runs' model, not the default's name
+    assert (out / "results.md").read_text().startswith("# eval: m,")
     assert cli_main(["report", first, other, "--out", str(out)]) == 2  # results are there: refused, untouched
     assert "already holds" in capsys.readouterr().err and json.loads((out / "results.json").read_text())["rows"] == merged
     assert cli_main(["report", first, other, "--out", str(out), "--overwrite"]) == 2
     assert "samples differ" in capsys.readouterr().err
     assert cli_main(["report", str(tmp_path / "missing"), "--out", str(out), "--overwrite"]) == 2
+    another_model = run("four", [row("full", None, 90.0)], model="other")
+    assert cli_main(["report", first, another_model, "--out", str(out), "--overwrite"]) == 2
+    assert "different models" in capsys.readouterr().err
 
 
 def test_sizes_given_on_the_command_line_replace_the_verbs_defaults():
