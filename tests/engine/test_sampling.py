@@ -165,3 +165,30 @@ def test_a_prompt_no_longer_than_what_a_method_always_keeps_is_kept_whole():
     longer = prompts_of([80])[0]
     assert llm.generate(longer, params, method="snapkv:ratio=0.25:window=8")[0].stats["kr"] < 0.5  # a long one is cut
 
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=5e-324), SamplingParams(temperature=1.0, top_p=5e-324),
+                                    SamplingParams(temperature=1.0, repetition_penalty=5e-324),
+                                    SamplingParams(temperature=1.0, repetition_penalty=3.4028235677973366e38)])
+def test_extreme_but_valid_settings_still_draw_a_token(params):
+    """Below float32's range these would divide by zero or keep nothing: a tiny temperature is greedy (vLLM's rule),
+    top-p always keeps the most likely token, penalized logits stay finite."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 4
+    token = sample(logits, params, torch.Generator().manual_seed(0), prompt_ids=[1, 2, 3], output_ids=[4])
+    assert 0 <= token < 64
+    if params.repetition_penalty == 1:
+        assert token == int(logits.argmax())
+
+
+def test_seeds_and_budgets_beyond_their_integer_range_are_refused():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**70)
+    assert SamplingParams(seed=-(2**62)).seed == -(2**62)
+    with pytest.raises(ValueError, match="beyond any context"):
+        kvc.get_method("snapkv", budget=10**20)
+
+
+def test_gvote_keeps_a_one_token_prompt_whole():
+    llm = make_llm(sharp_model())
+    out = llm.generate([5], SamplingParams(max_tokens=3, ignore_eos=True), method="gvote")[0]
+    assert out.finish_reason == "length" and out.stats["kr"] > 0.99

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's top_logprobs limit)
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's rule: dividing by it would overflow)
+LOGIT_LIMIT = 1e4  # penalized logits are clamped to ±this, so no penalty can make them infinite
+SEED_RANGE = (-(2**63), 2**63 - 1 - 1024)  # torch's generators take 64-bit seeds; room for seed + index
 
 
 @dataclass
@@ -22,7 +25,7 @@ class SamplingParams:
 
     Args:
         max_tokens: new tokens at most (≥ 1).
-        temperature: 0 = greedy; otherwise the logits are divided by it before sampling.
+        temperature: 0 (or below 1e-5) = greedy; otherwise the logits are divided by it before sampling.
         top_p: sample from the smallest set of tokens whose probability reaches ``top_p`` (1 = all).
         top_k: sample from the ``top_k`` most likely tokens (0 or -1 = all).
         presence_penalty: subtracted from the logit of every token already in the answer ([-2, 2]).
@@ -63,7 +66,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _whole(self, "logprobs", low=0, high=MAX_LOGPROBS)
         if self.seed is not None:
-            _whole(self, "seed")
+            _whole(self, "seed", low=SEED_RANGE[0], high=SEED_RANGE[1])
         _real(self, "temperature", "≥ 0 (0 = greedy)", lambda v: v >= 0)
         _real(self, "top_p", "in (0, 1]", lambda v: 0.0 < v <= 1.0)
         _real(self, "presence_penalty", "in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
@@ -110,14 +113,14 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
     if not params.penalized:
         return logits
     logits = logits.clone()
-    if params.repetition_penalty != 1:
+    if params.repetition_penalty != 1:  # float32: an extreme penalty gives ±inf or 0 here, clamped below
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         picked = logits[seen]
         logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
     if output_ids and (params.frequency_penalty or params.presence_penalty):
         counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1]).float()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-    return logits
+    return logits.nan_to_num(0.0).clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -125,7 +128,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token from next-token logits [V] (float32 math; greedy when the temperature is 0). ``prompt_ids``
     and ``output_ids`` are what the penalties look at."""
     logits = penalize(logits.float(), params, list(prompt_ids), list(output_ids))
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
@@ -135,8 +138,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_p < 1.0:
         ordered, order = probs.sort(descending=True)
         before = ordered.cumsum(-1) - ordered  # mass of the tokens ranked above each one
-        ordered = ordered.masked_fill(before >= params.top_p, 0.0)  # keep the smallest set reaching top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+        drop = before >= params.top_p  # keep the smallest set reaching top_p ...
+        drop[..., 0] = False  # ... and always the most likely token (a top_p below float32's range drops nothing else)
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(drop, 0.0))
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 

@@ -40,6 +40,7 @@ from ..store.codecs import Codec
 from ..store.view import Edit, KVView, LayerContext, LayerInput
 
 PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank by recency above it
+MAX_BUDGET = 2**31 - 1  # entries per KV head: a budget must fit the int32 slot tables
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,9 @@ class Method:
             raise ValueError(f"{self.name}: give exactly one of budget= (entries per KV head) or ratio= (fraction kept).")
         if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0):
             raise ValueError(f"{self.name}: budget must be a positive whole number of entries per KV head, got {self.budget!r}.")
+        if self.budget is not None and self.budget > MAX_BUDGET:
+            raise ValueError(f"{self.name}: budget={self.budget} is beyond any context ({MAX_BUDGET} entries per KV head at "
+                             "most); to keep everything use ratio=1.0 or the full method.")
         if self.ratio is not None and not (0.0 < float(self.ratio) <= 1.0):
             raise ValueError(f"{self.name}: ratio must be in (0, 1] (the fraction of context entries kept), got {self.ratio!r}.")
 

@@ -252,6 +252,13 @@ class GVote(Method):
 
     @torch.no_grad()
     def compress(self, view, context, sizes=None) -> Edit:
+        if int(context.tokens_seen.max()) < 2:  # one token: no statistics to sample queries from, and nothing to gain
+            context.note("gvote: a one-token prompt is kept whole")
+            keep = view.valid_or_ones()
+            edit = Edit(keep=keep)
+            edit.state[STATE] = GVoteAllocation(step_budgets=torch.zeros(view.shape[0], 0, dtype=torch.long),
+                                                kept=keep.sum(dim=-1).cpu())
+            return edit
         keep, budgets = self.keep_mask(view, context)
         if self.selector is not None:
             edit = self.selector.compress(view, context, keep.sum(dim=-1).cpu())

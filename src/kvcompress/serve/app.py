@@ -114,11 +114,11 @@ def build_app(llm: LLM, *, model_name: str, method: Method, limits: Limits | Non
             raise _failure(failed)
         return protocol.completion(request_id, model_name, outputs, chat, llm.tokenizer)
 
-    @app.post("/v1/completions", openapi_extra=protocol.openapi_body(chat=False))
+    @app.post("/v1/completions", openapi_extra=protocol.openapi_body(False, model_name, limits))
     async def completions(request: Request):
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=protocol.openapi_body(chat=True))
+    @app.post("/v1/chat/completions", openapi_extra=protocol.openapi_body(True, model_name, limits))
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
 

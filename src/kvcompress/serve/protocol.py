@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import RequestOutput, SamplingParams, TokenLogprob
-from ..engine.sampling import MAX_LOGPROBS
+from ..engine.sampling import MAX_LOGPROBS, SEED_RANGE
 from ..methods import Method, get_method
 
 
@@ -63,38 +63,43 @@ _NOT_BUILT = {
 }
 
 
-def openapi_body(chat: bool) -> dict:
+def openapi_body(chat: bool, model_name: str, limits: Limits) -> dict:
     """The request body's JSON schema for the OpenAPI document (what a client or a fuzzer reads): every field
-    this endpoint reads, with OpenAI's types and ranges."""
+    this endpoint reads, with OpenAI's types and this server's ranges; no other field."""
     number = lambda low, high: {"type": "number", "minimum": low, "maximum": high}  # noqa: E731
+    text = {"type": "string", "minLength": 1}
     fields: dict[str, Any] = {
-        "model": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1},
+        "model": {"type": "string", "enum": [model_name]},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": limits.max_tokens},
         "temperature": number(0, 2), "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": -1}, "n": {"type": "integer", "minimum": 1},
+        "top_k": {"type": "integer", "minimum": -1}, "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
         "presence_penalty": number(-2, 2), "frequency_penalty": number(-2, 2),
         "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-        "seed": {"type": "integer"}, "user": {"type": "string"}, "ignore_eos": {"type": "boolean"},
-        "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+        "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
+        "user": {"type": "string"}, "ignore_eos": {"type": "boolean"}, "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "additionalProperties": False},
+        "stop": {"anyOf": [text, {"type": "array", "items": text, "maxItems": 4}]},
         "kv_compression": {"type": "object", "required": ["method"], "properties": {
             "method": {"type": "string"}, "budget": {"type": "integer", "minimum": 1},
             "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}},
     }
     if chat:
+        part = {"type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+        content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
         message = {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant"]}, "content": {"type": "string"}}}
+            "role": {"enum": ["system", "developer", "user", "assistant"]}, "content": content}}
         fields |= {"messages": {"type": "array", "items": message, "minItems": 1},
-                   "max_completion_tokens": {"type": "integer", "minimum": 1},
+                   "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": limits.max_tokens},
                    "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}}
         required = ["model", "messages"]
     else:
-        fields |= {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
-                   "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}, "echo": {"type": "boolean"},
-                   "best_of": {"type": "integer", "minimum": 1}}
+        fields |= {"prompt": {"anyOf": [text, {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
+                   "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}, "echo": {"enum": [False]},
+                   "best_of": {"type": "integer", "minimum": 1, "maximum": limits.max_n}}
         required = ["model", "prompt"]
-    schema = {"type": "object", "required": required, "properties": fields}
+    schema = {"type": "object", "required": required, "properties": fields, "additionalProperties": False}
+    if chat:  # top_logprobs asks for alternatives of the logprobs that logprobs: true turns on
+        schema["dependentSchemas"] = {"top_logprobs": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -114,6 +119,8 @@ def _number(body: dict, name: str, default, kind, low=None, high=None, low_open=
     value = body.get(name, default)
     if value is None:
         return default
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 2.0 is an integer in JSON Schema
     if isinstance(value, bool) or not isinstance(value, kind) or (isinstance(value, float) and not math.isfinite(value)):
         kinds = "an integer" if kind is int else "a finite number"
         raise APIError(400, f"'{name}' must be {kinds}, got {value!r}", name)
@@ -190,7 +197,7 @@ def _sampling(body: dict, *, n: int, max_tokens: int, logprobs: int | None) -> S
         presence_penalty=float(_number(body, "presence_penalty", 0.0, (int, float), -2.0, 2.0)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -2.0, 2.0)),
         repetition_penalty=float(_number(body, "repetition_penalty", 1.0, (int, float), 0.0, low_open=True)),
-        seed=_number(body, "seed", None, int))
+        seed=_number(body, "seed", None, int, *SEED_RANGE))
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -242,8 +249,11 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
             raise APIError(400, f"messages[{i}] needs a role: system, user, assistant or developer", f"messages[{i}].role")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+        if isinstance(content, list):  # content parts: text ones only
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+                raise APIError(400, f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": \"...\"}} "
+                                    "(images and other parts are not supported)", f"messages[{i}].content")
+            content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string (or text parts)", f"messages[{i}].content")
         out.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
