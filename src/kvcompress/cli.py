@@ -152,6 +152,7 @@ def cmd_eval(args) -> int:
         tasks=_tasks(args), task_files=args.task_file or [], limit=args.limit,
         samples=args.samples, context_tokens=args.context_tokens, seed=args.seed,
         query_aware=args.query_aware, share_prefill=not args.no_share_prefill, max_new_tokens=args.max_new_tokens,
+        haystack=args.haystack,
     )
     method_grid(settings)  # every method, option and size checked before anything is loaded or written
     for path in settings.task_files:
@@ -269,6 +270,8 @@ def _eval_report(args, out: Path, rows: list[dict], settings: dict, *, partial: 
     protocol = "query-aware" if settings.get("query_aware") else "query-agnostic"
     size = context_label(settings, extra.get("prompt_tokens_by_run") or [extra.get("prompt_tokens")])
     title = f"eval: {_model_name(args)}, {protocol}, {size}"
+    if settings.get("haystack_id"):
+        title += f", haystack {settings['haystack_id']}"
     if partial:
         title += f" — PARTIAL: {extra['runs_done']} of {extra['runs_total']} runs (finish with --resume)"
     if not rows:  # nothing finished yet: the folder says so, and holds no table or plot
@@ -596,6 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{','.join(BUILTIN_TASKS)}; none when --task-file is given)")
     e.add_argument("--task-file", action="append", help="a JSONL task file (repeatable): all its samples run")
     e.add_argument("--samples", type=_count, default=10, help="samples per built-in task")
+    e.add_argument("--haystack", default=None, metavar="FILE", help="fill the built-in tasks with this text file instead of "
+                   "the built-in prose (documents separated by form feeds), to score on text a learned method never saw, "
+                   "e.g. runs/corpus/heldout.txt (default: the built-in prose)")
     e.add_argument("--limit", type=_count, default=None, help="at most this many samples per task file (default: all)")
     e.add_argument("--context-tokens", type=_count, default=1536)
     e.add_argument("--max-new-tokens", type=_count, default=None, help="default: per task")

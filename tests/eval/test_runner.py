@@ -222,6 +222,58 @@ def test_cli_eval_on_a_task_file_states_the_real_prompt_lengths(tiny_checkpoint,
     assert {line["id"] for line in lines} == {"s0", "s1"} and {line["task"] for line in lines} == {"toy"}  # the file only
 
 
+def _haystack_file(path, seed=0):
+    """Six documents of prose with digits, separated by form feeds."""
+    import random
+
+    rng = random.Random(seed)
+    docs = ["\n\n".join(f"Report {d} of {1900 + d}: the pier counted {rng.randrange(10, 99999)} crates,\nand "
+                          f"{rng.randrange(2, 999)} gulls slept. Tide table {rng.randrange(10**8, 10**9)}." for _ in range(8))
+            for d in range(6)]
+    path.write_text("\n\f\n".join(docs) + "\n")
+    return path
+
+
+def test_eval_settings_name_the_haystack(tmp_path):
+    import hashlib
+
+    path = _haystack_file(tmp_path / "pier.txt")
+    settings = EvalSettings(methods=["snapkv"], tasks=["vt"], haystack=path)
+    assert settings.haystack == str(path) and settings.haystack_id == f"pier.txt:{hashlib.sha256(path.read_bytes()).hexdigest()[:8]}"
+    assert EvalSettings(methods=["snapkv"]).haystack_id is None
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        EvalSettings(methods=["snapkv"], haystack=tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="--haystack fills the built-in tasks"):
+        EvalSettings(methods=["snapkv"], tasks=[], task_files=["x.jsonl"], haystack=path)
+
+
+def test_cli_eval_on_a_haystack_file(tiny_checkpoint, tmp_path, capsys):
+    from kvcompress.eval.tasks import load_haystack
+
+    path, other = _haystack_file(tmp_path / "pier.txt"), _haystack_file(tmp_path / "other.txt", seed=1)
+    haystack = load_haystack(path)
+    out = tmp_path / "out"
+    flags = ["eval", "--model", str(tiny_checkpoint()), "--methods", "snapkv", "--ratios", "0.5", "--tasks", "niah_single,vt",
+             "--samples", "2", "--context-tokens", "150", "--max-new-tokens", "2", "--out", str(out), "--quiet"]
+    assert cli_main([*flags, "--haystack", str(path)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["haystack"] == str(path) and results["settings"]["haystack_id"] == haystack.id
+    assert f"haystack {haystack.id}" in (out / "results.md").read_text().splitlines()[0]
+    lines = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 2 and all(f"-{haystack.tag}-0-" in line["id"] for line in lines)
+    capsys.readouterr()
+    assert cli_main([*flags, "--haystack", str(other), "--resume"]) == 2  # another haystack: never mixed in
+    assert "haystack" in capsys.readouterr().err
+    assert cli_main([*flags, "--resume"]) == 2  # nor the built-in prose
+    assert cli_main([*flags, "--haystack", str(path), "--resume"]) == 0  # the same one: nothing left to run
+    assert len((out / "predictions.jsonl").read_text().splitlines()) == 8
+    default = tmp_path / "default"
+    assert cli_main([*flags[:-2], str(default), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli_main(["report", str(out), str(default), "--out", str(tmp_path / "merged")]) == 2  # report refuses to merge them
+    assert "haystack_id differ" in capsys.readouterr().err
+
+
 def _overlaps(a, b) -> bool:
     return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
 

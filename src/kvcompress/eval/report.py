@@ -166,12 +166,12 @@ def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
     ax.grid(alpha=0.3)
 
 
-COMPARABLE = ("context_tokens", "samples", "limit", "seed", "query_aware", "max_new_tokens", "tasks", "task_files")
+COMPARABLE = ("context_tokens", "samples", "limit", "seed", "query_aware", "max_new_tokens", "tasks", "task_files", "haystack_id")
 
 
 def merge_results(paths: list[Path]) -> tuple[list[dict], dict, list]:
     """Rows of several ``results.json`` files of comparable eval runs (same context length,
-    samples, seed, protocol and tasks), later files winning on the same method × size × task;
+    samples, seed, protocol, tasks and haystack), later files winning on the same method × size × task;
     their settings; and the prompt lengths each run recorded (``run_prompt_tokens``, for ``context_label``)."""
     merged: dict[tuple, dict] = {}
     settings: dict | None = None
@@ -191,7 +191,7 @@ def merge_results(paths: list[Path]) -> tuple[list[dict], dict, list]:
         differing = [k for k in COMPARABLE if theirs.get(k) != settings.get(k)]
         if differing:
             raise ValueError(f"{file} is not comparable with {paths[0]}: its {', '.join(differing)} differ; "
-                             "merge runs with the same context length, samples, seed, protocol and tasks")
+                             "merge runs with the same context length, samples, seed, protocol, tasks and haystack")
         for row in payload["rows"]:
             merged[(row["method"], row["budget"], row["ratio"], row["task"])] = row
         lengths += run_prompt_tokens(file, payload)

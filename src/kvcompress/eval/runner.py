@@ -21,7 +21,7 @@ from ..hf import CompressedCache
 from ..generate import GenerateOutput, answer, build_prompt, check_inputs, prefill
 from ..methods import Method, MethodSpec, get_method
 from .metrics import score
-from .tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, Sample, load_task_file, make_task
+from .tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, Sample, load_haystack, load_task_file, make_task
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -42,6 +42,8 @@ class EvalSettings:
     query_aware: bool = False
     share_prefill: bool = True
     max_new_tokens: int | None = None
+    haystack: str | None = None  # a text file whose text fills the built-in tasks (None: the built-in prose)
+    haystack_id: str | None = field(default=None, init=False)  # its name and hash (``heldout.txt:1a2b3c4d``), set here
 
     def __post_init__(self) -> None:
         if self.budgets and self.ratios:
@@ -55,6 +57,11 @@ class EvalSettings:
         unknown = sorted(set(self.tasks) - set(BUILTIN_TASKS))
         if unknown:
             raise ValueError(f"unknown task {', '.join(unknown)}; built-in tasks: {', '.join(BUILTIN_TASKS)} (or --task-file)")
+        if self.haystack is not None:
+            if not self.tasks:
+                raise ValueError("--haystack fills the built-in tasks, but none is asked: add --tasks (or leave --haystack out)")
+            self.haystack = str(self.haystack)
+            self.haystack_id = load_haystack(self.haystack).id  # a missing or empty file fails here, before any work
 
 
 def method_grid(settings: EvalSettings) -> list[Method]:
@@ -76,8 +83,13 @@ def method_grid(settings: EvalSettings) -> list[Method]:
 
 
 def load_samples(settings: EvalSettings, tokenizer) -> list[Sample]:
-    """Built-in tasks generated for this tokenizer, then the samples of every task file."""
-    samples = [s for task in settings.tasks for s in make_task(task, tokenizer, settings.samples, settings.context_tokens, settings.seed)]
+    """Built-in tasks generated for this tokenizer (on ``settings.haystack`` when given), then the samples of every task file."""
+    haystack = load_haystack(settings.haystack) if settings.haystack and settings.tasks else None
+    if haystack is not None and haystack.id != settings.haystack_id:
+        raise ValueError(f"haystack {settings.haystack} changed since these settings were made ({settings.haystack_id}, "
+                         f"now {haystack.id}): run again")
+    samples = [s for task in settings.tasks
+               for s in make_task(task, tokenizer, settings.samples, settings.context_tokens, settings.seed, haystack=haystack)]
     for path in settings.task_files:
         samples.extend(load_task_file(path)[: settings.limit])
     if not samples:
