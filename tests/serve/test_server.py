@@ -366,6 +366,11 @@ def test_chat_logprobs_and_top_logprobs_in_openais_shape(server):
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens and all(len(item.top_logprobs) == 2 for item in content)
     assert all(item.logprob <= 0 and item.top_logprobs[0].logprob >= item.logprob - 1e-6 for item in content)
+    chunks = list(server.client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": words(12)}],
+                                                        max_tokens=3, temperature=0, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [item.logprob for item in streamed] == pytest.approx([item.logprob for item in content], abs=1e-6)
+    assert [item.token for item in streamed] == [item.token for item in content]
 
 
 def test_n_answers_come_as_choices_whole_and_streamed(server):
