@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
+from kvcompress.serve import wait_healthy
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -55,16 +57,7 @@ def run(method: str, args) -> dict:
     server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline or server.poll() is not None:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.3)
+        wait_healthy(url, server)
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
         model = client.models.list().data[0].id
         texts = prompts(args.clients, args.context_tokens)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import httpx
 
+from kvcompress.serve import wait_healthy
+
 KV_MIX = [None, {"method": "full"}, {"method": "snapkv", "ratio": 0.25}, {"method": "adakv", "ratio": 0.25},
           {"method": "streamingllm", "budget": 128}, {"method": "kivi"}, {"method": "quest", "ratio": 0.25}]
 
@@ -258,16 +260,10 @@ def run(args) -> dict:
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"the server did not start; see {log_path}")
-                time.sleep(0.5)
+            try:
+                wait_healthy(url, server, timeout_s=300)
+            except RuntimeError as error:
+                raise RuntimeError(f"{error}; see {log_path}") from None
             model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             planned = plan(args, model)
             todo: queue.Queue[Planned] = queue.Queue()

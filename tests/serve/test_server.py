@@ -21,6 +21,7 @@ import uvicorn
 from common import tiny_model
 from conftest import tiny_tokenizer
 import kvcompress as kvc
+from kvcompress.serve import wait_healthy
 from kvcompress.serve.app import build_app
 from kvcompress.serve.protocol import Limits
 
@@ -265,15 +266,7 @@ def test_a_signal_stops_the_server_within_15_seconds_and_requests_in_flight_get_
     process = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline and process.poll() is None, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(url, process, timeout_s=60)
         answers = []
 
         def ask(stream):

@@ -9,6 +9,8 @@ error in OpenAI's shape, or an error event on a stream) and exits within ``grace
 
 from __future__ import annotations
 
+import time
+
 
 def run(llm, *, model_name: str, method, host: str = "127.0.0.1", port: int = 8000, limits=None, max_queued: int = 256,
         grace_s: float = 8.0, log_level: str = "info") -> None:
@@ -30,4 +32,21 @@ def run(llm, *, model_name: str, method, host: str = "127.0.0.1", port: int = 80
     Server(config).run()
 
 
-__all__ = ["run"]
+def wait_healthy(url: str, process=None, timeout_s: float = 120.0) -> None:
+    """Wait until the server at ``url`` answers ``/health`` with 200 (benchmarks and tests that start one); a
+    RuntimeError if it does not within ``timeout_s`` or its ``process`` (a ``subprocess.Popen``) ends first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or (process is not None and process.poll() is not None):
+            raise RuntimeError(f"the server at {url} did not start")
+        time.sleep(0.2)
+
+
+__all__ = ["run", "wait_healthy"]
