@@ -498,14 +498,14 @@ def cmd_methods(args) -> int:
     return 0
 
 
-def _count(text: str) -> int:
-    """An argparse type: a whole number ≥ 1 (a usage error naming the flag otherwise)."""
+def _count(text: str, low: int = 1) -> int:
+    """An argparse type: a whole number ≥ ``low`` (a usage error naming the flag otherwise)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} must be ≥ {low}")
     return value
 
 
@@ -677,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--width", type=_count, default=16, help="gate MLP width")
     r.add_argument("--capacity", type=float, default=1.0, help="weight of the capacity loss")
     d = t.add_argument_group("deltakv")
-    d.add_argument("--hidden", type=_count, default=128, help="the compressor's hidden width d_h")
+    d.add_argument("--hidden", type=lambda text: _count(text, 0), default=128,
+                   help="the compressor's hidden width d_h (0: no SwiGLU path, a linear codec)")
     d.add_argument("--code-ratio", type=float, default=0.5, help="the code width d_c as a share of 2·H·d (the paper's: 0.25)")
     d.add_argument("--float-codes", action="store_true", help="train for codes kept in float (deltakv:bits=None), "
                    "not in 4 bits")

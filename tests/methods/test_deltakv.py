@@ -198,7 +198,8 @@ def test_training_lowers_the_error_and_resumes_exactly(tmp_path, monkeypatch):
     assert bool(torch.isfinite(_generate(model, ids, cache, new=4)).all())
 
 
-@pytest.mark.parametrize("what,flags", [("deltakv", ["--hidden", "8", "--full-layers", "0,1"]), ("retention", ["--width", "4"])])
+@pytest.mark.parametrize("what,flags", [("deltakv", ["--hidden", "8", "--full-layers", "0,1"]), ("deltakv", ["--hidden", "0"]),
+                                        ("retention", ["--width", "4"])])
 def test_the_train_verb_writes_a_checkpoint_the_method_loads(what, flags, tiny_checkpoint, tmp_path, capsys):
     from kvcompress.cli import main as cli_main
 
@@ -215,8 +216,10 @@ def test_the_train_verb_writes_a_checkpoint_the_method_loads(what, flags, tiny_c
     config = json.loads((out / "config.json").read_text())
     assert config["method"] == what and config["settings"]["steps"] == 3 and (out / "steps" / "000002").is_dir()
     assert f"{what}:checkpoint=" in capsys.readouterr().out
-    if what == "deltakv":
+    if what == "deltakv" and "--full-layers" in flags:
         assert config["full_layers"] == [0, 1] and get_method("deltakv", checkpoint=str(out)).layers_left_full() == (0, 1)
+    if "--hidden" in flags:
+        assert config["hidden"] == int(flags[flags.index("--hidden") + 1])  # 0: a linear codec, trained as it ships
     weights = (out / "model.safetensors").read_bytes()
     assert cli_main(argv(3)) == 0 and (out / "model.safetensors").read_bytes() == weights  # a finished run: nothing to do
     capsys.readouterr()
