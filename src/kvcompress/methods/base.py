@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ..store.codecs import Codec
 from ..store.view import Edit, KVView, LayerContext, LayerInput
+from .spec import get_method
 
 PROTECTED_PRIORITY = 1e15  # above any attention score; protected entries rank by recency above it
 MAX_BUDGET = 2**31 - 1  # entries per KV head: a budget must fit the int32 slot tables
@@ -148,8 +149,6 @@ class Method:
             return built[1]
         if not isinstance(self.codec, str):
             raise ValueError(f"codec must name a coding method such as \"kivi:bits=4\", got {self.codec!r}")
-        from . import get_method
-
         coder = get_method(self.codec)
         if type(coder).storage is Method.storage:
             raise ValueError(f"codec={self.codec!r} is not a codec; coding methods: kivi, deltakv")

@@ -52,7 +52,9 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from ..read import attention_probs, group_queries
 from ..store.view import Edit
-from .base import Method, Needs
+from .base import Method, Needs, ScoreMethod
+from .momentkv import MOMENTS, Moments
+from .spec import REGISTRY, get_method
 
 STATE = "gvote"
 
@@ -199,8 +201,6 @@ class GVote(Method):
         """The method that picks entries under GVote's sizes (``select_with``), or None."""
         if self.select_with is None:
             return None
-        from . import REGISTRY, get_method
-
         cls = REGISTRY.get(self.select_with.strip().lower())
         if cls is None or not _takes_sizes(cls):
             usable = sorted(n for n, c in REGISTRY.items() if _takes_sizes(c))
@@ -271,8 +271,6 @@ class GVote(Method):
         return edit
 
     def _fold_dropped(self, view, keep: torch.Tensor) -> Edit:
-        from .momentkv import MOMENTS, Moments
-
         moments = Moments.empty(view.shape[0], view.shape[1], view.keys.shape[-1], view.keys.device)
         moments = moments.add(view.keys, view.values, view.valid_or_ones() & ~keep)
         return Edit(keep=keep, summary=moments, state={MOMENTS: moments})
@@ -280,8 +278,6 @@ class GVote(Method):
 
 def _takes_sizes(cls) -> bool:
     """Methods that can keep entries under sizes chosen elsewhere: budgeted ones that score entries."""
-    from .base import ScoreMethod
-
     return cls.needs_budget and issubclass(cls, ScoreMethod)
 
 

@@ -25,6 +25,7 @@ import torch
 from ..read import group_queries
 from ..store.view import Edit
 from .base import Method, Needs
+from .spec import get_method
 
 
 def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -74,8 +75,6 @@ class Quest(Method):
             return None
         if not isinstance(self.compress_with, str):
             raise ValueError(f"compress_with must be a method spec such as \"snapkv:ratio=0.5\", got {self.compress_with!r}")
-        from . import get_method
-
         inner = get_method(self.compress_with)
         if inner.selects:
             raise ValueError("compress_with must evict or merge, not select")
