@@ -11,7 +11,7 @@ what runs at every step), one pair per layer; inputs are divided by a per-channe
 the first training batch. Training starts from the best linear code (``fit_principal``: the linear
 path and the decoder on the residuals' top d_c principal components, the SwiGLU's output at zero)
 — from a random start, 32 minutes on two cores left a codec with 2.8× the error of that closed
-form (docs/results.md, session 9).
+form (docs/results.md, "DeltaKV's codec from the residuals' principal components").
 
 In the slot pool this is two tiers whose blocks are one token of one layer, an entry per KV head
 (entry id = block · H + head, so the slot tables stay per head):

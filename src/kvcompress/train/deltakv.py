@@ -45,7 +45,7 @@ class DeltaKVTraining:
     steps: int = 800
     seq_len: int = 512
     hidden: int = 128  # the compressor's width d_h
-    code_ratio: float = 0.5  # d_c / (2·H·d); the paper's is 0.25 (docs/results.md, session 9: why half in 4 bits)
+    code_ratio: float = 0.5  # d_c / (2·H·d); the paper's is 0.25 (why half in 4 bits: docs/results.md, "Why commit 1858615's codec failed")
     bits: int | None = 4  # codes as the method stores them by default: 4 bits per number (None: float)
     stride: int = 10
     top_k: int = 4
