@@ -63,19 +63,37 @@ _NOT_BUILT = {
 }
 
 
+# The numeric sampling fields, (kind, default, low, high, low bound open), as vLLM defines them (OpenAI's ranges;
+# top_k and repetition_penalty are vLLM's extras): read by ``_sampling`` and stated in the schema.
+_NUMBERS = {
+    "temperature": (float, 1.0, 0.0, 2.0, False),
+    "top_p": (float, 1.0, 0.0, 1.0, True),
+    "top_k": (int, 0, -1, None, False),
+    "presence_penalty": (float, 0.0, -2.0, 2.0, False),
+    "frequency_penalty": (float, 0.0, -2.0, 2.0, False),
+    "repetition_penalty": (float, 1.0, 0.0, None, True),
+    "seed": (int, None, SEED_RANGE[0], SEED_RANGE[1], False),
+}
+
+
+def _number_schema(kind: type, low, high, low_open: bool) -> dict:
+    schema: dict[str, Any] = {"type": "integer" if kind is int else "number"}
+    if low is not None:
+        schema["exclusiveMinimum" if low_open else "minimum"] = low
+    if high is not None:
+        schema["maximum"] = high
+    return schema
+
+
 def openapi_body(chat: bool, model_name: str, limits: Limits) -> dict:
     """The request body's JSON schema for the OpenAPI document (what a client or a fuzzer reads): every field
     this endpoint reads, with OpenAI's types and this server's ranges; no other field."""
-    number = lambda low, high: {"type": "number", "minimum": low, "maximum": high}  # noqa: E731
     text = {"type": "string", "minLength": 1}
-    fields: dict[str, Any] = {
+    fields: dict[str, Any] = {name: _number_schema(kind, low, high, low_open) for name, (kind, _, low, high, low_open) in _NUMBERS.items()}
+    fields |= {
         "model": {"type": "string", "enum": [model_name]},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": limits.max_tokens},
-        "temperature": number(0, 2), "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": -1}, "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
-        "presence_penalty": number(-2, 2), "frequency_penalty": number(-2, 2),
-        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-        "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
+        "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
         "user": {"type": "string"}, "ignore_eos": {"type": "boolean"}, "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "additionalProperties": False},
         "stop": {"anyOf": [text, {"type": "array", "items": text, "maxItems": 4}]},
@@ -180,7 +198,7 @@ def _known_fields(body: dict, chat: bool) -> None:
 
 
 def _sampling(body: dict, *, n: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The sampling fields as vLLM defines them (OpenAI's ranges; top_k and repetition_penalty as vLLM's extras)."""
+    """The sampling fields as vLLM defines them (the numbers' ranges: ``_NUMBERS``)."""
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
@@ -189,15 +207,11 @@ def _sampling(body: dict, *, n: int, max_tokens: int, logprobs: int | None) -> S
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise APIError(400, f"'ignore_eos' must be true or false, got {ignore_eos!r}", "ignore_eos")
-    return SamplingParams(
-        max_tokens=max_tokens, n=n, stop=stop, logprobs=logprobs, ignore_eos=ignore_eos,
-        temperature=float(_number(body, "temperature", 1.0, (int, float), 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, (int, float), 0.0, 1.0, low_open=True)),
-        top_k=_number(body, "top_k", 0, int, -1),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, (int, float), -2.0, 2.0)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -2.0, 2.0)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, (int, float), 0.0, low_open=True)),
-        seed=_number(body, "seed", None, int, *SEED_RANGE))
+    numbers = {}
+    for name, (kind, default, low, high, low_open) in _NUMBERS.items():
+        value = _number(body, name, default, int if kind is int else (int, float), low, high, low_open)
+        numbers[name] = float(value) if kind is float else value
+    return SamplingParams(max_tokens=max_tokens, n=n, stop=stop, logprobs=logprobs, ignore_eos=ignore_eos, **numbers)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
