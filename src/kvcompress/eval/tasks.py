@@ -80,6 +80,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..demo import haystack_text
+from ..train.corpus import split_documents
 from .metrics import METRICS
 
 
@@ -203,7 +204,7 @@ def _file_units(text: str) -> tuple[tuple[Unit, ...], tuple[int, ...]]:
     units: list[Unit] = []
     starts: list[int] = []
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    for document in text.split("\f"):
+    for document in split_documents(text):
         for paragraph in re.split(r"\n[ \t]*\n", document):
             lines = [line.rstrip() for line in paragraph.split("\n")]
             lines = [line for line in lines if line.strip()]

@@ -44,7 +44,13 @@ from pathlib import Path
 from urllib.parse import unquote
 
 FORMAT = 1  # bump when the cleaning changes, so that a built corpus is rebuilt
-SEPARATOR = "\n\f\n"  # between documents; kvcompress.train.loop splits a --data text file at "\f"
+SEPARATOR = "\n\f\n"  # between documents; ``split_documents`` reads them back
+
+
+def split_documents(text: str) -> list[str]:
+    """The documents of a text as this module writes them (a form feed between two); a text without one is
+    one document. ``kvcompress train --data`` and ``kvcompress eval --haystack`` read files through it."""
+    return [document.strip("\n") for document in text.split("\f")] if "\f" in text else [text]
 CHUNK_BYTES = 64_000  # a long plain-text file becomes documents of about this size, cut at blank lines
 MIN_DOCUMENT_BYTES = 200  # shorter documents are dropped
 DEDUP_CHARS = 80  # paragraphs at least this long are kept once over the whole corpus
@@ -795,5 +801,5 @@ def embedded_token_counter() -> tuple[Callable[[list[str]], int] | None, str | N
     return count, EMBEDDED_MODEL
 
 
-__all__ = ["SEPARATOR", "SOURCES", "Source", "build", "cap", "chunk", "clean", "dedup", "documents", "download",
+__all__ = ["SEPARATOR", "SOURCES", "split_documents", "Source", "build", "cap", "chunk", "clean", "dedup", "documents", "download",
            "is_built", "read_dictd", "read_fortune", "read_play", "read_pod", "read_rdata", "read_roff", "spec_hash"]

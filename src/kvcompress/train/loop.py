@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .corpus import split_documents
+
 TRAIN_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
 FIRST_TRAIN_SEED = 1000  # eval samples use seeds 0..; training never sees them
 GENERATED_DATA = ("generated: the built-in tasks niah_single, niah_multikey, niah_multivalue, vt, cwe in the project's own "
@@ -31,7 +33,6 @@ GENERATED_DATA = ("generated: the built-in tasks niah_single, niah_multikey, nia
 
 
 GENERATED = "generated"  # in --data: the built-in task generators
-DOCUMENT_SEPARATOR = "\f"  # in a --data text file: between documents (kvcompress.train.corpus writes it)
 
 
 def data_sources(data: str | None) -> list[str]:
@@ -95,7 +96,7 @@ def _file_sequences(tokenizer, path: Path, seq_len: int, seed: int) -> Iterator[
 def _text_sequences(tokenizer, text: str, seq_len: int) -> list[list[int]]:
     """Plain text cut into sequences of ``seq_len`` tokens, each document (the parts between form feeds;
     a text without one is one document) on its own, so that no sequence spans two."""
-    documents = [d.strip("\n") for d in text.split(DOCUMENT_SEPARATOR)] if DOCUMENT_SEPARATOR in text else [text]
+    documents = split_documents(text)
     sequences = []
     for start in range(0, len(documents), 256):
         for ids in tokenizer([d for d in documents[start : start + 256] if d], add_special_tokens=False).input_ids:
@@ -203,5 +204,5 @@ def mean_tail(history: list, last: int = 20) -> dict:
     return {k: round(sum(r[k] for r in tail) / len(tail), 6) for k in keys}
 
 
-__all__ = ["DOCUMENT_SEPARATOR", "FIRST_TRAIN_SEED", "GENERATED", "GENERATED_DATA", "TRAIN_TASKS", "data_sources", "fit",
+__all__ = ["FIRST_TRAIN_SEED", "GENERATED", "GENERATED_DATA", "TRAIN_TASKS", "data_sources", "fit",
            "mean_tail", "training_sequences", "use_attention", "warmup_cosine"]
