@@ -240,11 +240,8 @@ def cmd_report(args) -> int:
     from .eval.report import merge_results, prompt_span
 
     out = _out_dir(args)
-    rows, settings, lengths = merge_results([Path(p) for p in args.runs])
-    models = {json.loads((Path(p) / "results.json").read_text()).get("model") for p in args.runs} - {None}
-    if len(models) > 1:
-        raise ValueError(f"the runs are of different models ({', '.join(sorted(models))}): report each model's runs apart")
-    args.model = args.model or (models.pop() if models else None)  # the title names the model the runs were made on
+    rows, settings, lengths, model = merge_results([Path(p) for p in args.runs])
+    args.model = args.model or model  # the title names the model the runs were made on
     args.seed = settings.get("seed", args.seed)
     outdir.start(out, "report", overwrite=args.overwrite)
     _eval_report(args, out, rows, {**settings, "merged_from": args.runs}, prompt_tokens=prompt_span(lengths),

@@ -169,13 +169,15 @@ def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
 COMPARABLE = ("context_tokens", "samples", "limit", "seed", "query_aware", "max_new_tokens", "tasks", "task_files", "haystack_id")
 
 
-def merge_results(paths: list[Path]) -> tuple[list[dict], dict, list]:
-    """Rows of several ``results.json`` files of comparable eval runs (same context length,
+def merge_results(paths: list[Path]) -> tuple[list[dict], dict, list, str | None]:
+    """Rows of several ``results.json`` files of comparable eval runs (one model; same context length,
     samples, seed, protocol, tasks and haystack), later files winning on the same method × size × task;
-    their settings; and the prompt lengths each run recorded (``run_prompt_tokens``, for ``context_label``)."""
+    their settings; the prompt lengths each run recorded (``run_prompt_tokens``, for ``context_label``); and
+    the model they were run on."""
     merged: dict[tuple, dict] = {}
     settings: dict | None = None
     lengths: list = []
+    models: set[str] = set()
     for path in paths:
         file = path / "results.json" if path.is_dir() else path
         if not file.exists():
@@ -195,7 +197,10 @@ def merge_results(paths: list[Path]) -> tuple[list[dict], dict, list]:
         for row in payload["rows"]:
             merged[(row["method"], row["budget"], row["ratio"], row["task"])] = row
         lengths += run_prompt_tokens(file, payload)
-    return list(merged.values()), settings or {}, lengths
+        models |= {payload["model"]} if payload.get("model") else set()
+    if len(models) > 1:
+        raise ValueError(f"the runs are of different models ({', '.join(sorted(models))}): report each model's runs apart")
+    return list(merged.values()), settings or {}, lengths, next(iter(models), None)
 
 
 def run_prompt_tokens(file: Path, payload: dict) -> list:
