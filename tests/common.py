@@ -60,8 +60,25 @@ def tiny_method(name: str, model, **options):
     return get_method(name, **options)
 
 
+_TOKENIZER_DIR: list[str] = []
+
+
+def tiny_tokenizer_dir() -> str:
+    """A folder holding the tests' word-level tokenizer, made once: tiny models name it as their own, as a
+    saved checkpoint would (KVzip writes its replay prompt with the model's tokenizer)."""
+    import tempfile
+
+    from conftest import tiny_tokenizer
+
+    if not _TOKENIZER_DIR:
+        _TOKENIZER_DIR.append(tempfile.mkdtemp(prefix="kvcompress-tokenizer-"))
+        tiny_tokenizer().save_pretrained(_TOKENIZER_DIR[0])
+    return _TOKENIZER_DIR[0]
+
+
 def tiny_model(kind: str = "llama", layers: int = 2, seed: int = 0):
-    """A randomly initialised Llama, Mistral, Qwen2 (q/k/v bias) or Qwen3 (q/k-norm) small enough for unit tests."""
+    """A randomly initialised Llama, Mistral, Qwen2 (q/k/v bias) or Qwen3 (q/k-norm) small enough for unit tests,
+    with the tests' tokenizer beside it (``config.name_or_path``)."""
     torch.manual_seed(seed)
     common = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
@@ -71,6 +88,7 @@ def tiny_model(kind: str = "llama", layers: int = 2, seed: int = 0):
     config = config_class(head_dim=16, **common)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = None  # random models would stop at random; always decode in full
+    model.config._name_or_path = tiny_tokenizer_dir()
     return model
 
 

@@ -79,7 +79,8 @@ def test_kr_is_bytes_held_over_full_and_adakv_is_ragged():
 def test_fork_equals_compressing_directly():
     model = tiny_model()
     ids = torch.randint(3, 128, (1, 60))
-    shared = CompressedCache(model, compress_on_prefill=False, observation_window=32, attention_sums=True, hidden_states=True)
+    shared = CompressedCache(model, compress_on_prefill=False, observation_window=2**31 - 1, attention_sums=True,
+                             hidden_states=True, replay=2048)  # every prompt query: expected_attention's statistics
     model(ids, past_key_values=shared)
     for name in METHODS:
         method = tiny_method(name, model, budget=12)

@@ -79,14 +79,15 @@ class _PlainCache(DynamicCache):
 
 
 @torch.inference_mode()
-def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_tokens: int) -> dict:
+def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_tokens: int, tokenizer=None) -> dict:
     """Prefill ``input_ids`` [B, n], compress, decode ``decode_tokens`` greedy steps; timings and memory.
 
-    ``method=None`` runs transformers' plain DynamicCache (row ``hf_dynamic_cache``).
+    ``method=None`` runs transformers' plain DynamicCache (row ``hf_dynamic_cache``); ``tokenizer``: for a method
+    that replays the prompt (KVzip; default: the model's own).
     """
     device = input_ids.device
     with peak_memory(device) as memory:
-        cache = CompressedCache(model, method) if method is not None else _PlainCache()
+        cache = CompressedCache(model, method, tokenizer=tokenizer) if method is not None else _PlainCache()
         _sync(device)
         start = time.perf_counter()
         logits = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -133,12 +134,12 @@ def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch
     ids = torch.randint(low, vocab, (batch_size, context_tokens), generator=generator).to(model.device)
     configs = [None, *methods]
     for method in configs:
-        bench_one(model, method, ids[:, : min(256, context_tokens)], 2)  # warm-up
+        bench_one(model, method, ids[:, : min(256, context_tokens)], 2, tokenizer)  # warm-up
     measured: list[list[dict]] = [[] for _ in configs]
     with tqdm(total=repeats * len(configs), desc=f"bench {context_tokens} tokens", disable=not progress) as bar:
         for _ in range(repeats):  # round-robin, so a load that comes and goes falls on every row alike
             for i, method in enumerate(configs):
-                measured[i].append(bench_one(model, method, ids, decode_tokens))
+                measured[i].append(bench_one(model, method, ids, decode_tokens, tokenizer))
                 bar.update()
     rows = []
     for runs in measured:

@@ -42,7 +42,7 @@ def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None
         raise ValueError("context_tokens must be ≥ 1 and continuation_tokens ≥ 2")
     ids = torch.tensor([text_ids(tokenizer, text, context_tokens + continuation_tokens)], device=model.device)
     context, continuation = ids[:, :context_tokens], ids[:, context_tokens:]
-    shared = CompressedCache.shared(model, methods)
+    shared = CompressedCache.shared(model, methods, tokenizer)
     model(context, past_key_values=shared, use_cache=True, logits_to_keep=1)
 
     full = shared.fork(shared.method)

@@ -118,7 +118,7 @@ def generate(
     method = _resolve(method, budget, ratio)
     prompt = build_prompt(tokenizer, context, question)
     check_inputs(model, context, prompt, max_new_tokens)
-    cache = CompressedCache(model, method)
+    cache = CompressedCache(model, method, tokenizer=tokenizer)
     logits, prefill_wall = prefill(model, cache, prompt, query_aware)
     out = answer(model, tokenizer, cache, prompt, logits, max_new_tokens=max_new_tokens, query_aware=query_aware)
     out.stats["prefill_s"] = prefill_wall - out.stats["compress_s"]

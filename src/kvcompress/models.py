@@ -116,7 +116,7 @@ def model_facts(model_or_config: nn.Module | PretrainedConfig) -> ModelFacts:
     )
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def decoder_stack(model: nn.Module) -> nn.Module:
     """The inner decoder (``model.model``) holding ``layers`` and ``rotary_emb``."""
     check_supported(model)
     decoder = getattr(model, "model", None)
@@ -130,7 +130,7 @@ def _decoder(model: nn.Module) -> nn.Module:
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention module of each decoder layer, in layer order."""
-    modules = [getattr(layer, "self_attn", None) for layer in _decoder(model).layers]
+    modules = [getattr(layer, "self_attn", None) for layer in decoder_stack(model).layers]
     if any(m is None for m in modules):
         raise UnsupportedModelError(f"{type(model).__name__}: a decoder layer has no self_attn module")
     return modules
@@ -138,7 +138,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def rotary_embedding(model: nn.Module) -> nn.Module:
     """The model's shared rotary embedding (``model.model.rotary_emb``)."""
-    rotary = getattr(_decoder(model), "rotary_emb", None)
+    rotary = getattr(decoder_stack(model), "rotary_emb", None)
     if rotary is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no model.model.rotary_emb")
     return rotary

@@ -9,7 +9,9 @@ and the token counts.
   from the same weights, when a method needs them), the entries written to the pool, the
   observations kept. A method that plans layer by layer compresses each layer right away
   (peak memory stays one layer's prompt); one that plans across layers
-  (``plans_globally``) is planned once the last layer is observed.
+  (``plans_globally``) is planned once the last layer is observed. A method that scores by a
+  replay of the prompt (``Needs.replay``: KVzip) waits for it: ``replay_layer`` takes each
+  layer of each replay chunk, ``finish_replay`` compresses.
 * ``decode(layer, ...)``: append the new entries in place, read, let the method act. A
   method that decodes row by row (``decodes_all_layers``) acts once per step, after the
   last layer's read, on every layer at once (a layer's edit only matters to its next read,
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 from .methods.base import Method, Needs
-from .read import prompt_attention, read
+from .read import attend_with_max_weights, prompt_attention, read
 from .store.slots import SlotPool, SlotTable
 from .store.view import UNCHANGED, Edit, KVView, LayerContext, LayerInput
 
@@ -81,6 +83,7 @@ class Session:
         self.timings = {"compress_s": 0.0}
         self._pending: dict[int, tuple] = {}  # this step's reads, for a method acting on every layer at once
         self._step: dict = {}  # scratch shared by the layers of one decoding step (LayerContext.step)
+        self.replay_pending = False  # the prompt is prefilled and waits for its replay (KVzip) to be compressed
         self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
         storage = method.storage(pool.dtype)
         self.code_tier = pool.tier(storage[0]) if storage else 0  # coded storage: the pool tier, 0 = plain
@@ -115,19 +118,45 @@ class Session:
         tokens = torch.full((batch,), n, dtype=torch.long) if token_valid is None else token_valid.sum(1).cpu()
         observations = self._observations(query, positions, sums, token_valid, hidden_stats, hidden)
         self.layers[layer_idx] = LayerState(scaling, seen=n, tokens_seen=tokens, observations=observations)
-        if self.compress_on_prefill:
+        self.replay_pending = bool(self.observe.replay) and layer_idx == self.num_layers - 1
+        if self.compress_on_prefill and not self.observe.replay:
             if not self.method.plans_globally:
                 self._compress([layer_idx])
             elif layer_idx == self.num_layers - 1:
                 self._compress(range(self.num_layers))
         return out
 
+    # ----- the replay (KVzip): the prompt read again after the prefill, entries scored, nothing kept ------
+
+    def replay_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        """One layer of one replay chunk (queries [B, Hq, q, d], its keys/values [B, H, q, d] at positions [B, q],
+        after the prompt's): attend the held entries and, causally, the chunk itself; keep, per entry, the most
+        attention any of the chunk's queries gives it (the largest over chunks so far). Nothing is stored:
+        output [B, Hq, q, d]."""
+        layer, view = self.layers[layer_idx], self.view(layer_idx)
+        out, best = attend_with_max_weights(query, view.keys, view.values, view.positions, view.valid, key, value,
+                                            positions, layer.scaling)
+        seen = layer.observations.get("replay_chunk_scores")
+        layer.observations["replay_chunk_scores"] = best if seen is None else torch.maximum(seen, best)
+        return out.to(query.dtype)
+
+    def finish_replay(self) -> None:
+        """The replay is over: its scores become ``replay_scores``, and the prompt is compressed (unless this
+        session keeps its prefill whole for forks)."""
+        self.replay_pending = False
+        for layer in self.layers:
+            layer.observations["replay_scores"] = layer.observations.pop("replay_chunk_scores")
+        if self.compress_on_prefill:
+            self._compress(range(self.num_layers))
+
     def _reserve(self, batch: int, n: int) -> None:
         """Grow a private pool once for what the prefill will hold: every layer's prompt when nothing is
         compressed on the way, else one layer's (each layer is cut right after its prefill)."""
         if self.pool.fixed:
             return
-        layers = self.num_layers if (not self.compress_on_prefill or self.method.plans_globally) else 1
+        whole = not self.compress_on_prefill or self.method.plans_globally or self.observe.replay
+        layers = self.num_layers if whole else 1
         self.pool.reserve(batch * self.num_kv_heads * (n + 64) * layers)
 
     def _observations(self, query, positions, sums, token_valid, hidden_stats, hidden) -> dict:
@@ -224,6 +253,9 @@ class Session:
                     slots: torch.Tensor | None = None) -> None:
         """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place;
         ``slots`` [B, H, q]: the entries are already in the pool there (the engine writes a batch at once)."""
+        if self.replay_pending:
+            raise RuntimeError("the prompt waits for its replay (KVzip) before it is compressed: prefill through "
+                               "the model's forward with input_ids, which replays it as soon as the forward returns")
         if self._pending and layer_idx <= min(self._pending):
             self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
         if layer_idx == 0:
@@ -336,10 +368,8 @@ class Session:
         needs = method.needs()
         if not self.observe.covers(needs):
             raise ValueError(
-                f"{method.name} needs observation_window>={needs.window}, attention_sums={needs.attention_sums}, "
-                f"hidden_stats={needs.hidden_stats} and hidden_states={needs.hidden_states}; build the shared prefill "
-                "cache with those settings "
-                "(CompressedCache.shared(model, methods) does)."
+                f"{method.name} needs a prefill that recorded {needs}, and this one recorded {self.observe}; build the "
+                "shared prefill cache with what every method needs (CompressedCache.shared(model, methods) does)."
             )
         twin = Session(method, self.pool, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, modules=self.modules,
                        rotary=self.rotary, observe=self.observe, compress_on_prefill=True)

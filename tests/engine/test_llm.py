@@ -62,10 +62,11 @@ def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_step
     assert llm.pool.num_used == 0 and llm.stats()["pool_used_bytes"] == 0
 
 
-@pytest.mark.parametrize("name", ["snapkv", "adakv", "streamingllm", "h2o", "momentkv", "keepkv", "cam", "gvote", "retention"])
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "streamingllm", "h2o", "momentkv", "keepkv", "cam", "gvote", "retention",
+                                  "kvzip", "expected_attention"])
 def test_compressing_methods_equal_the_single_request_cache(name):
     model = sharp_model(seed=2)
-    options = {"budget": 20, **({"window": 8} if name not in ("streamingllm", "h2o", "retention") else {}),
+    options = {"budget": 20, **({"window": 8} if name not in ("streamingllm", "h2o", "retention", "kvzip", "expected_attention") else {}),
                **({"buffer": 4} if name == "retention" else {})}
     method = kvc.get_method(name) if name == "gvote" else tiny_method(name, model, **options)
     llm = make_llm(model)

@@ -70,7 +70,7 @@ class LLM:
         self.pool = SlotPool(facts.head_dim, dtype=weight.dtype, device=weight.device, capacity=slots,
                              initial=max(slots // 8, facts.num_layers * facts.num_kv_heads))
         self.scheduler = Scheduler(self.pool, facts.num_layers, facts.num_kv_heads, max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.tokenizer)
         self._eos = eos_ids(self.model, self.tokenizer)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}

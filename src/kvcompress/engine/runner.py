@@ -61,10 +61,10 @@ class _BatchCache(Cache):
 
 
 class ModelRunner:
-    """Runs the model for the engine over one slot pool."""
+    """Runs the model for the engine over one slot pool (``tokenizer``: for methods that replay a prompt, KVzip)."""
 
-    def __init__(self, model, pool: SlotPool):
-        self.model, self.pool = model, pool
+    def __init__(self, model, pool: SlotPool, tokenizer=None):
+        self.model, self.pool, self.tokenizer = model, pool, tokenizer
         self.modules = attention_modules(model)
         self.num_layers = len(self.modules)
         self.device = next(model.parameters()).device
@@ -73,7 +73,7 @@ class ModelRunner:
     def prefill(self, request: Request) -> torch.Tensor:
         """Prefill the request's tokens into a new session on the pool (compressed by its method); the
         next-token logits [V]."""
-        cache = CompressedCache(self.model, request.method, pool=self.pool)
+        cache = CompressedCache(self.model, request.method, pool=self.pool, tokenizer=self.tokenizer)
         ids = torch.tensor([request.tokens], device=self.device)
         try:
             logits = self.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits

@@ -170,13 +170,13 @@ def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], todo: list
         return
     if not settings.share_prefill:
         for method in todo:
-            cache = CompressedCache(model, method)
+            cache = CompressedCache(model, method, tokenizer=tokenizer)
             logits, wall = prefill(model, cache, prompt, qa)
             out = answer(model, tokenizer, cache, prompt, logits, max_new_tokens=max_new, query_aware=qa)
             out.stats["prefill_s"] = wall - out.stats["compress_s"]
             yield out
         return
-    shared = CompressedCache.shared(model, grid)
+    shared = CompressedCache.shared(model, grid, tokenizer)
     logits, wall = prefill(model, shared, prompt, qa)
     for method in todo:
         fork = shared.fork(method)

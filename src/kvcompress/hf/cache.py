@@ -2,7 +2,8 @@
 
 How it hooks in: building a ``CompressedCache`` switches the model to the attention
 implementation ``"kvcompress"`` (registered in ``AttentionInterface``, with SDPA's mask
-function). In each layer the model calls ``cache.update(k, v, layer_idx)``; ours stores
+function). A method that scores by a replay of the prompt (KVzip) is replayed as
+soon as the prefill's forward returns (a forward hook on the decoder stack: ``replay.py``). In each layer the model calls ``cache.update(k, v, layer_idx)``; ours stores
 nothing there: it marks the layer as pending on its attention module and returns the new
 states. The registered attention function then hands the layer to the ``Session``, which
 prefills (the first forward) or decodes. With any other cache the same attention function is
@@ -20,15 +21,16 @@ import dataclasses
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoTokenizer
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..methods import Method, Needs, get_method
-from ..models import attention_modules, model_facts, rotary_embedding
+from ..models import attention_modules, decoder_stack, model_facts, rotary_embedding
 from ..session import Session
 from ..store.slots import SlotPool
+from .replay import ReplayPrompts, replay
 
 ATTENTION_NAME = "kvcompress"
 
@@ -118,13 +120,17 @@ class CompressedCache(Cache):
         hidden_stats: keep the per-channel mean and std of each layer's attention input (GVote).
         key_pages: keep each key channel's min and max per page of this many entries (Quest).
         hidden_states: keep each token's attention input, at prefill and at each step (retention gates).
+        replay: replay the prompt after its prefill in chunks of this many tokens and keep each entry's
+            most attention from it (KVzip; 0 = no replay).
         pool: the slot pool to hold the entries (default: a private, growable one).
+        tokenizer: the model's tokenizer, for a method that replays the prompt (KVzip writes its "repeat
+            the previous context" prompt with it); default: loaded from ``model.config.name_or_path``.
     """
 
     def __init__(self, model, method: Method | None = None, *, compress_on_prefill: bool = True,
                  observation_window: int | None = None, attention_sums: bool | None = None,
                  hidden_stats: bool | None = None, key_pages: int | None = None, hidden_states: bool | None = None,
-                 pool: SlotPool | None = None):
+                 replay: int | None = None, pool: SlotPool | None = None, tokenizer=None):
         method = method if method is not None else get_method("full")
         method.check_model(model.config)
         facts = model_facts(model)
@@ -140,9 +146,14 @@ class CompressedCache(Cache):
             hidden_stats=needs.hidden_stats if hidden_stats is None else hidden_stats,
             key_pages=needs.key_pages if key_pages is None else key_pages,
             hidden_states=needs.hidden_states if hidden_states is None else hidden_states,
+            replay=needs.replay if replay is None else replay,
         )
         if observe.hidden_stats or observe.hidden_states:
             watch_attention_inputs(modules)
+        self._replay_prompts = None
+        if observe.replay:
+            self._replay_prompts = ReplayPrompts.from_tokenizer(tokenizer if tokenizer is not None else _own_tokenizer(model))
+            watch_prefills(model)
         if pool is None:
             weight = next(model.parameters())
             pool = SlotPool(facts.head_dim, dtype=weight.dtype, device=weight.device)
@@ -153,7 +164,7 @@ class CompressedCache(Cache):
         self.recorder: dict[int, tuple] | None = None  # set to {} to record each layer's next step (diagnose)
 
     @classmethod
-    def shared(cls, model, methods: list[Method]) -> CompressedCache:
+    def shared(cls, model, methods: list[Method], tokenizer=None) -> CompressedCache:
         """An uncompressed cache that records what every one of ``methods`` needs, to ``fork`` each from
         one prefill (prefill once, compress many)."""
         needs = Needs()
@@ -161,7 +172,7 @@ class CompressedCache(Cache):
             needs = needs.union(method.needs())
         return cls(model, compress_on_prefill=False, observation_window=needs.window,
                    attention_sums=needs.attention_sums, hidden_stats=needs.hidden_stats, key_pages=needs.key_pages,
-                   hidden_states=needs.hidden_states)
+                   hidden_states=needs.hidden_states, replay=needs.replay, tokenizer=tokenizer)
 
     @property
     def method(self) -> Method:
@@ -219,6 +230,10 @@ class CompressedCache(Cache):
             self.recorder[layer_idx] = (query, key, value, position_ids, out)
         return out
 
+    def replay(self, decoder, input_ids: torch.Tensor | None) -> None:
+        """Right after the prefill of ``input_ids`` (a method that replays the prompt): replay it, then compress."""
+        replay(decoder, self.session, self._modules, self._replay_prompts, input_ids)
+
     # ----- prefill once, compress many ----------------------------------------------------
     def fork(self, method: Method) -> CompressedCache:
         """A copy of this (uncompressed) cache compressed with ``method``; this cache is untouched."""
@@ -245,6 +260,30 @@ class CompressedCache(Cache):
     def stats(self) -> dict[str, Any]:
         """kr (bytes held ÷ full), cr (entries attended per step ÷ full), sizes, notes and the method's statistics."""
         return self.session.stats()
+
+
+def _own_tokenizer(model):
+    """The tokenizer saved beside the model's weights (kvcompress's own checkpoints and hub models have one)."""
+    try:
+        return AutoTokenizer.from_pretrained(model.config.name_or_path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"this method replays the prompt with a prompt of its own (KVzip) and found no tokenizer at "
+                         f"{model.config.name_or_path!r}: pass CompressedCache(model, method, tokenizer=tokenizer)") from err
+
+
+def watch_prefills(model) -> None:
+    """Hook the decoder stack once so that a prefill into a ``CompressedCache`` whose method replays the prompt
+    (KVzip) is replayed and compressed as soon as the decoder's forward returns."""
+    decoder = decoder_stack(model)
+    if getattr(decoder, "_kvcompress_replay_hook", None) is None:
+        decoder._kvcompress_replay_hook = decoder.register_forward_hook(_after_decoder, with_kwargs=True)
+
+
+def _after_decoder(module, args, kwargs, output):
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, CompressedCache) and cache.session.replay_pending:
+        cache.replay(module, kwargs.get("input_ids", args[0] if args else None))
+    return None
 
 
 def watch_attention_inputs(modules) -> None:

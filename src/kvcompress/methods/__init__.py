@@ -12,11 +12,13 @@ from .base import Method, Needs, ScoreMethod
 from .cam import CaM
 from .d2o import D2O
 from .deltakv import DeltaKV
+from .expected_attention import ExpectedAttention
 from .full import Full
 from .gvote import GVote
 from .h2o import H2O
 from .keepkv import KeepKV
 from .kivi import KIVI
+from .kvzip import KVzip
 from .momentkv import MomentKV
 from .omnikv import OmniKV
 from .pyramidkv import PyramidKV
@@ -27,6 +29,6 @@ from .spec import REGISTRY, MethodSpec, available_methods, get_method, split_met
 from .streamingllm import StreamingLLM
 
 REGISTRY.update({cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O,
-                                           OmniKV, Quest, KIVI, DeltaKV, Retention)})
+                                           OmniKV, Quest, KIVI, DeltaKV, Retention, ExpectedAttention, KVzip)})
 
 __all__ = ["REGISTRY", "Method", "MethodSpec", "Needs", "ScoreMethod", "available_methods", "get_method", "split_method_list"]

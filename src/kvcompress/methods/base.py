@@ -48,27 +48,31 @@ MAX_BUDGET = 2**31 - 1  # entries per KV head: a budget must fit the int32 slot 
 class Needs:
     """What a method reads from the prefill: the last ``window`` queries, per-entry attention sums,
     the attention input's per-channel mean and std (``hidden_stats``), each token's attention input
-    itself, at the prefill and at every decoding step (``hidden_states``: retention gates); and what
-    the store must keep as entries arrive: key bounds per page of ``key_pages`` entries (Quest; 0 = none)."""
+    itself, at the prefill and at every decoding step (``hidden_states``: retention gates); the most
+    attention any query of a replay of the context gives each entry, the context replayed after the
+    prefill in chunks of ``replay`` tokens (KVzip; 0 = no replay); and what the store must keep as
+    entries arrive: key bounds per page of ``key_pages`` entries (Quest; 0 = none)."""
 
     window: int = 0
     attention_sums: bool = False
     hidden_stats: bool = False
     key_pages: int = 0
     hidden_states: bool = False
+    replay: int = 0
 
     def union(self, other: Needs) -> Needs:
-        """What two methods need together (one shared prefill serving both; pages of the first size
-        asked for — a fork wanting another size rebuilds its own)."""
+        """What two methods need together (one shared prefill serving both; pages and replay chunks of the
+        first size asked for — a fork wanting other pages rebuilds its own)."""
         return Needs(max(self.window, other.window), self.attention_sums or other.attention_sums,
                      self.hidden_stats or other.hidden_stats, self.key_pages or other.key_pages,
-                     self.hidden_states or other.hidden_states)
+                     self.hidden_states or other.hidden_states, self.replay or other.replay)
 
     def covers(self, other: Needs) -> bool:
         """Whether a prefill that recorded this serves ``other`` (page bounds need no observation: a fork
         builds them from the keys held)."""
         return (self.window >= other.window and (self.attention_sums or not other.attention_sums)
-                and (self.hidden_stats or not other.hidden_stats) and (self.hidden_states or not other.hidden_states))
+                and (self.hidden_stats or not other.hidden_stats) and (self.hidden_states or not other.hidden_states)
+                and other.replay in (0, self.replay))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..store.view import KVView
-from .reference import attend_reference, attention_probs, group_queries, merge_lse, read_reference
+from .reference import attend_reference, attend_with_max_weights, attention_probs, group_queries, merge_lse, read_reference
 from .sdpa import prompt_attention, prompt_attention_with_sums, read_exact, read_masked
 
 
@@ -63,6 +63,7 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
 __all__ = [
     "ReadResult",
     "attend_reference",
+    "attend_with_max_weights",
     "attention_probs",
     "group_queries",
     "merge_lse",

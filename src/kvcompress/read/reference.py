@@ -123,4 +123,48 @@ def read_reference(
     return out.reshape(b, hq, q, d), lse.reshape(b, hq, q), sums
 
 
-__all__ = ["attend_reference", "attention_probs", "group_queries", "masked_logits", "merge_lse", "read_reference"]
+__all__ = ["attend_reference", "attend_with_max_weights", "attention_probs", "group_queries", "masked_logits", "merge_lse",
+           "read_reference"]
+
+
+def attend_with_max_weights(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    query_positions: torch.Tensor,
+    scaling: float,
+    block: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New tokens attending to held entries and, causally, to themselves, in float32 (KVzip's replay).
+
+    Args:
+        query: [B, Hq, q, d] at ``query_positions`` [B, q]; ``new_keys``/``new_values`` [B, H, q, d] are
+            theirs, at the same positions. keys, values: [B, H, L, d] held entries at ``key_positions``
+            [B, H, L] (``key_valid`` [B, H, L], None = all real).
+        block: queries per block (memory: B·Hq·block·(L + q) floats at a time).
+    Returns:
+        out [B, Hq, q, d] float32 (the attention output over held + new entries) and the largest
+        weight any query of a KV head's group gives each held entry, [B, H, L] float32 (softmax over
+        everything the query sees).
+    """
+    b, hq, q, d = query.shape
+    heads = keys.shape[1]
+    new_positions = query_positions[:, None, :].expand(b, heads, q)
+    all_keys, all_values = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
+    all_positions = torch.cat([key_positions, new_positions], dim=2)
+    all_valid = None
+    if key_valid is not None:
+        all_valid = torch.cat([key_valid, torch.ones_like(new_positions, dtype=torch.bool)], dim=2)
+    grouped = group_queries(query, heads)
+    outs, best = [], torch.zeros(b, heads, keys.shape[2], dtype=torch.float32, device=keys.device)
+    for start in range(0, q, block):
+        part = slice(start, start + block)
+        logits = masked_logits(grouped[:, :, :, part], all_keys, scaling, query_positions[:, part], all_positions, all_valid)
+        probs = torch.softmax(logits, dim=-1)  # every query sees itself, so no row is empty
+        outs.append(torch.einsum("bhgql,bhld->bhgqd", probs, all_values.float()))
+        best = torch.maximum(best, probs[..., : keys.shape[2]].amax(dim=(2, 3)))
+    return torch.cat(outs, dim=3).reshape(b, hq, q, d), best

@@ -1,0 +1,123 @@
+"""KVzip's replay: the prompt read again, teacher-forced, right after its prefill, to score each held entry.
+
+After the prefill, the decoder runs over r = [a "repeat the previous context" prompt, the chat
+template's turn to answer, the prompt's tokens], in chunks of ``Needs.replay`` tokens (each later
+chunk after a prompt quoting the end of the chunk before it, as KVzip does for long contexts). Each
+chunk's queries attend to every held entry and, causally, to the chunk; in each layer the session
+keeps per entry the most attention any replay query of a KV head's group gives it
+(``Session.replay_layer``); nothing the replay computes is stored (METHODS.md, "KVzip").
+``CompressedCache`` runs it once a prefill whose method needs it is over.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..session import Session
+
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+QUOTED = 8  # tokens of the chunk before that a later chunk's prompt quotes
+
+
+@dataclass(frozen=True)
+class ReplayPrompts:
+    """Token ids of the replay's prompts: before the first chunk, before each later chunk, and the chat
+    template's turn to answer (what closes the user's turn and opens the assistant's)."""
+
+    first: list[int]
+    later: list[int]
+    turn: list[int]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> ReplayPrompts:
+        turn_text = "\n"
+        if getattr(tokenizer, "chat_template", None):
+            marker = "\u2063kvcompress-replay\u2063"
+            text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                                 add_generation_prompt=True)
+            turn_text = text.split(marker, 1)[1]
+
+        def ids(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+        return cls(ids(FIRST_PROMPT), ids(NEXT_PROMPT), ids(turn_text))
+
+    def inputs(self, prompt_ids: list[int], chunk: int) -> list[list[int]]:
+        """The replay's inputs for a prompt of ``prompt_ids``: one per chunk of ``chunk`` tokens."""
+        pieces = [prompt_ids[start : start + chunk] for start in range(0, len(prompt_ids), chunk)]
+        inputs = []
+        for i, piece in enumerate(pieces):
+            lead = self.first if i == 0 else self.later + pieces[i - 1][-QUOTED:]
+            inputs.append(lead + self.turn + piece)
+        return inputs
+
+
+class _ReplayLayer(CacheLayerMixin):
+    """What transformers asks of a cache layer during the replay: the prompt's length (the replay's
+    positions follow it)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, seen: int):
+        super().__init__()
+        self.seen = seen
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
+        raise RuntimeError("the replay's layers are read by the kvcompress attention function, never written")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:  # noqa: D102
+        return self.seen
+
+    def get_max_length(self) -> int:  # noqa: D102
+        return -1
+
+
+class _ReplayCache(Cache):
+    """One replay chunk through the decoder: each layer's attention goes to ``Session.replay_layer``."""
+
+    def __init__(self, session: Session, modules):
+        self.session, self.modules = session, modules
+        super().__init__(layers=[_ReplayLayer(layer.seen) for layer in session.layers])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.modules[layer_idx]._kvcompress_pending = (self, layer_idx)
+        return key_states, value_states
+
+    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
+        module.__dict__.pop("_kvcompress_hidden_stats", None)  # the prefill's statistics were taken already
+        return self.session.replay_layer(layer_idx, query, key, value, position_ids.expand(query.shape[0], -1))
+
+
+@torch.inference_mode()
+def replay(decoder, session: Session, modules, prompts: ReplayPrompts, prompt_ids: torch.Tensor) -> None:
+    """Run the replay of ``prompt_ids`` [B, n] (the ids just prefilled; rows of equal, unpadded length) through
+    ``decoder`` (the model's decoder stack) and let the session compress."""
+    if prompt_ids is None:
+        raise ValueError("this method replays the prompt's token ids after the prefill (KVzip): call the model with "
+                         "input_ids, not inputs_embeds")
+    if session.layers[0].tokens_seen.min() < prompt_ids.shape[1]:
+        raise ValueError("this method replays one unpadded prompt per row (KVzip): prefill padded prompts one "
+                         "cache at a time")
+    start, seen = time.perf_counter(), session.layers[0].seen
+    rows = [prompts.inputs(row, session.observe.replay) for row in prompt_ids.tolist()]
+    for chunk in range(len(rows[0])):
+        ids = torch.tensor([inputs[chunk] for inputs in rows], device=prompt_ids.device)
+        positions = torch.arange(seen, seen + ids.shape[1], device=ids.device).expand_as(ids)
+        decoder(input_ids=ids, position_ids=positions, past_key_values=_ReplayCache(session, modules), use_cache=True)
+    session.timings["compress_s"] += time.perf_counter() - start  # the replay is part of what compressing costs
+    session.finish_replay()
+
+
+__all__ = ["FIRST_PROMPT", "NEXT_PROMPT", "ReplayPrompts", "replay"]

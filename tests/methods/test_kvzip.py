@@ -1,0 +1,141 @@
+"""KVzip: the replay's scores against a float64 recomputation, its sizes, and the replay's inputs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer, DynamicCache
+
+from common import layers_of, tiny_model
+from kvcompress import CompressedCache, get_method
+from kvcompress.hf.replay import QUOTED, ReplayPrompts
+from kvcompress.read import attend_with_max_weights
+from kvcompress.store.slots import LENGTH_BYTES
+
+
+def _reference_max_weights(query, keys, values, key_pos, valid, new_k, new_v, q_pos, scaling):
+    """Loops in float64: each query over the held entries and the new ones up to itself."""
+    b, hq, q, d = query.shape
+    h, length = keys.shape[1], keys.shape[2]
+    group = hq // h
+    out = torch.zeros(b, hq, q, d, dtype=torch.float64)
+    best = torch.zeros(b, h, length, dtype=torch.float64)
+    for row in range(b):
+        for head in range(hq):
+            kv = head // group
+            for t in range(q):
+                seen = [j for j in range(length) if bool(valid[row, kv, j]) and key_pos[row, kv, j] <= q_pos[row, t]]
+                ks = torch.cat([keys[row, kv, seen], new_k[row, kv, : t + 1]]).double()
+                vs = torch.cat([values[row, kv, seen], new_v[row, kv, : t + 1]]).double()
+                probs = torch.softmax(ks @ query[row, head, t].double() * scaling, dim=0)
+                out[row, head, t] = probs @ vs
+                for slot, j in enumerate(seen):
+                    best[row, kv, j] = max(best[row, kv, j], probs[slot])
+    return out, best
+
+
+@settings(max_examples=25, deadline=None)
+@given(length=st.integers(1, 12), q=st.integers(1, 6), group=st.sampled_from([1, 2, 3]), block=st.integers(1, 4),
+       holes=st.booleans(), seed=st.integers(0, 10**6))
+def test_attend_with_max_weights_equals_a_float64_loop(length, q, group, block, holes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d = 2, 2, 8
+    keys, values = torch.randn(b, h, length, d, generator=gen), torch.randn(b, h, length, d, generator=gen)
+    key_pos = torch.arange(length).expand(b, h, length).clone()
+    valid = torch.ones(b, h, length, dtype=torch.bool)
+    if holes:
+        valid = torch.rand(b, h, length, generator=gen) > 0.3
+    query = torch.randn(b, h * group, q, d, generator=gen)
+    new_k, new_v = torch.randn(b, h, q, d, generator=gen), torch.randn(b, h, q, d, generator=gen)
+    q_pos = torch.arange(length, length + q).expand(b, q)
+    out, best = attend_with_max_weights(query, keys, values, key_pos, valid, new_k, new_v, q_pos, 0.3, block=block)
+    ref_out, ref_best = _reference_max_weights(query, keys, values, key_pos, valid, new_k, new_v, q_pos, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(best.double(), ref_best, atol=1e-6, rtol=1e-5)
+
+
+def test_replay_inputs_cover_the_prompt_in_chunks_each_after_its_prompt():
+    prompts = ReplayPrompts(first=[900, 901], later=[910], turn=[920])
+    ids = list(range(25))
+    inputs = prompts.inputs(ids, 10)
+    assert inputs[0] == [900, 901, 920, *range(10)]
+    assert inputs[1] == [910, *range(10 - QUOTED, 10), 920, *range(10, 20)]
+    assert inputs[2] == [910, *range(20 - QUOTED, 20), 920, *range(20, 25)]
+    assert prompts.inputs(ids, 100) == [[900, 901, 920, *ids]]
+
+
+def test_replay_prompts_take_the_chat_templates_turn(embedded):
+    _, tokenizer = embedded
+    prompts = ReplayPrompts.from_tokenizer(tokenizer)
+    assert tokenizer.decode(prompts.turn) == "<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(prompts.first) == "\n\nRepeat the previous context exactly."
+
+
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_kvzip_scores_equal_a_float64_recomputation(chunk):
+    """S[l, h, i] = the most attention any replay query of head h's group pays entry i, from an eager float64
+    model given the same inputs (one chunk, or three chunks each over the whole prompt)."""
+    model = tiny_model(seed=4).double()
+    tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path)
+    ids = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    prefix = DynamicCache(config=eager.config)
+    with torch.no_grad():
+        eager(ids, past_key_values=prefix, use_cache=True)
+        expected = torch.zeros(2, 1, 2, 40, dtype=torch.float64)
+        for replay_ids in ReplayPrompts.from_tokenizer(tokenizer).inputs(ids[0].tolist(), chunk):
+            attentions = eager(torch.tensor([replay_ids]), past_key_values=copy.deepcopy(prefix), use_cache=True,
+                               output_attentions=True).attentions
+            for layer, probs in enumerate(attentions):  # [1, Hq, m, 40 + m]
+                per_kv_head = probs[..., :40].view(1, 2, 2, len(replay_ids), 40).amax(dim=(2, 3))
+                expected[layer] = torch.maximum(expected[layer], per_kv_head)
+    cache = CompressedCache(model, compress_on_prefill=False, replay=chunk)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    for layer, state in enumerate(layers_of(cache)):
+        torch.testing.assert_close(state.observations["replay_scores"].double(), expected[layer], atol=1e-6, rtol=1e-5)
+
+
+def test_kvzip_keeps_one_budget_over_layers_and_heads_and_the_bytes_follow():
+    model = tiny_model(seed=6, layers=3)
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(1))
+    cache = CompressedCache(model, get_method("kvzip", budget=20))
+    model(ids, past_key_values=cache)
+    lengths = torch.stack([layer.head_lengths()[0] for layer in layers_of(cache)])  # [layers, heads]
+    assert int(lengths.sum()) == 20 * 3 * 2  # budget × layers × KV heads
+    assert len(set(lengths.flatten().tolist())) > 1  # heads keep what their scores earn
+    for layer in layers_of(cache):
+        assert bool((layer.view().positions[0, :, :4] == torch.arange(4)).all())  # the sinks stay
+    stats, table = cache.stats(), cache.session.table
+    per_entry = 2 * 16 * 4 + table.entry_metadata_bytes()  # keys and values of 16 floats, a slot id and a position
+    assert stats["kv_bytes"] == stats["entries"] * per_entry + 3 * 2 * LENGTH_BYTES  # and a length per layer and head
+    assert cache.timings["compress_s"] > 0
+
+
+def test_kvzip_at_ratio_one_and_uniform_layers_keep_their_sizes():
+    model = tiny_model(seed=6)
+    ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(2))
+    cache = CompressedCache(model, get_method("kvzip", budget=12, layer_budgets="uniform"))
+    model(ids, past_key_values=cache)
+    for layer in layers_of(cache):
+        assert layer.head_lengths()[0].tolist() == [12, 12]
+
+
+def test_kvzip_refuses_what_it_cannot_replay():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="chunk"):
+        get_method("kvzip", ratio=0.5, chunk=0)
+    cache = CompressedCache(model, get_method("kvzip", ratio=0.5))
+    embeds = model.model.embed_tokens(torch.randint(3, 128, (1, 20)))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(inputs_embeds=embeds, past_key_values=cache)
+    padded = CompressedCache(model, get_method("kvzip", ratio=0.5))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :4] = 0
+    with pytest.raises(ValueError, match="unpadded"):
+        model(torch.randint(3, 128, (2, 20)), attention_mask=mask, past_key_values=padded)
