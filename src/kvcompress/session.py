@@ -375,6 +375,8 @@ class Session:
                        rotary=self.rotary, observe=self.observe, compress_on_prefill=True)
         twin.table = self.table.share(self.pool, page_size=needs.key_pages)
         twin.batch_size, twin.notes = self.batch_size, set(self.notes)
+        if needs.replay:  # the shared prefill's replay is part of what compressing with this method costs
+            twin.timings["compress_s"] = self.timings.get("replay_s", 0.0)
         twin.layers = [dataclasses.replace(layer, state=dict(layer.state)) for layer in self.layers]
         twin._compress(range(self.num_layers))
         return twin

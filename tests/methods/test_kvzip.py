@@ -139,3 +139,67 @@ def test_kvzip_refuses_what_it_cannot_replay():
     mask[1, :4] = 0
     with pytest.raises(ValueError, match="unpadded"):
         model(torch.randint(3, 128, (2, 20)), attention_mask=mask, past_key_values=padded)
+
+
+def test_a_fork_of_a_replayed_prefill_equals_kvzip_directly_and_carries_the_replays_cost():
+    model = tiny_model(seed=7)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(3))
+    method = get_method("kvzip", budget=15)
+    shared = CompressedCache.shared(model, [method, get_method("snapkv", budget=15, window=8)])
+    model(ids, past_key_values=shared)
+    direct = CompressedCache(model, method)
+    model(ids, past_key_values=direct)
+    forked = shared.fork(method)
+    for a, b in zip(layers_of(direct), layers_of(forked)):
+        assert torch.equal(a.view().positions, b.view().positions)
+    assert shared.timings["replay_s"] > 0 and forked.timings["compress_s"] >= shared.timings["replay_s"]
+
+
+SCORERS = {"kvzip": {}, "snapkv": {"window": 8}, "expected_attention": {}}
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(sorted(SCORERS)), tau=st.floats(0.0, 0.3), cap=st.sampled_from([0.2, 0.5, 1.0]),
+       seed=st.integers(0, 3))
+def test_threshold_sizes_keep_what_passes_up_to_the_cap_and_the_protected_always(name, tau, cap, seed):
+    model = tiny_model(seed=seed)
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(seed))
+    method = get_method(name, ratio=cap, threshold=tau, **SCORERS[name])
+    shared = CompressedCache.shared(model, [method])
+    model(ids, past_key_values=shared)
+    forked = shared.fork(method)
+    session = shared.session
+    for i, layer in enumerate(layers_of(forked)):
+        view, context = session.view(i), session.context(i)
+        scores = method.score(view, context)
+        caps = method.row_budgets(context)
+        protected = method.protected(view, context, caps)
+        expected = torch.minimum(((scores >= tau) | protected).sum(-1), torch.maximum(caps[:, None], protected.sum(-1)))
+        assert torch.equal(layer.head_lengths(), expected)
+        kept = layer.view().positions[0]
+        for head in range(2):
+            assert set(view.positions[0, head][protected[0, head]].tolist()) <= set(kept[head].tolist())
+    stats, per_entry = forked.stats(), 2 * 16 * 4 + forked.session.table.entry_metadata_bytes()
+    assert stats["kv_bytes"] == stats["entries"] * per_entry + 2 * 2 * LENGTH_BYTES  # the bytes follow the entries
+
+
+def test_threshold_sizes_follow_the_content_and_ratio_one_at_zero_is_full(embedded):
+    model, tokenizer = embedded
+    texts = ["The quarterly report lists revenue of 4.2 million, costs of 3.1 million and a new office in Lyon. " * 4,
+             "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n" * 6]
+    held = []
+    for text in texts:
+        ids = torch.tensor([tokenizer(text).input_ids])
+        cache = CompressedCache(model, get_method("kvzip", ratio=1.0, threshold=0.02), tokenizer=tokenizer)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        lengths = torch.stack([layer.head_lengths()[0] for layer in layers_of(cache)])  # [layers, heads]
+        assert len(set(lengths.flatten().tolist())) > 1  # heads keep different counts
+        assert cache.stats()["entries"] == int(lengths.sum()) < ids.shape[1] * lengths.numel()
+        held.append(int(lengths.sum()) / ids.shape[1])
+    assert held[0] != held[1]  # and prompts keep different shares
+    small = tiny_model(seed=8)
+    ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(5))
+    everything = CompressedCache(small, get_method("kvzip", ratio=1.0, threshold=0.0))
+    out = small.generate(ids, past_key_values=everything, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, small.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))

@@ -182,7 +182,7 @@ def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], todo: list
         fork = shared.fork(method)
         out = answer(model, tokenizer, fork, prompt, logits, max_new_tokens=max_new, query_aware=qa)
         fork.release()  # its slots in the shared pool are free for the next method
-        out.stats["prefill_s"] = wall  # the one shared prefill this sample cost
+        out.stats["prefill_s"] = wall - shared.timings.get("replay_s", 0.0)  # the one shared prefill this sample cost
         yield out
 
 

@@ -29,6 +29,7 @@ tests check against plain references:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -430,6 +431,11 @@ class ScoreMethod(Method):
             unprotected entries ranked by score across layers (layers and heads then keep
             different numbers of entries; ``head_budgets`` does not apply).
         pyramid_ratio: first-layer budget ÷ last-layer budget for "pyramid".
+        threshold: size by score instead (DMS-style, METHODS.md "Threshold sizing"): each head of each
+            request keeps its protected entries and those scoring at least τ, up to the budget (or
+            ratio), which becomes a cap (ratio=1.0: no cap); so the entries held follow the content.
+            τ is on the method's own score scale (KVzip: the most attention a replay query pays an
+            entry). The prompt only: an entry that arrives while decoding is kept.
     """
 
     sinks: int = 0
@@ -438,6 +444,7 @@ class ScoreMethod(Method):
     alpha: float = 0.2
     layer_budgets: str = "uniform"
     pyramid_ratio: float = 4.0
+    threshold: float | None = None
 
     evict_while_decoding: ClassVar[bool] = False
 
@@ -453,6 +460,12 @@ class ScoreMethod(Method):
             raise ValueError("chunk_size must be ≥ 1 and sinks ≥ 0")
         if not self.pyramid_ratio >= 1.0:
             raise ValueError(f"pyramid_ratio (the first layer's budget over the last's) must be ≥ 1, got {self.pyramid_ratio}")
+        if self.threshold is not None:
+            if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold):
+                raise ValueError(f"threshold must be a finite number (the score an entry needs to stay), got {self.threshold!r}")
+            if self.evict_while_decoding:
+                raise ValueError(f"{self.name} evicts to its budget while decoding; threshold sizing is for methods that "
+                                 "compress the prompt once (kvzip, snapkv, expected_attention...)")
 
     @property
     def acts_while_decoding(self) -> bool:  # type: ignore[override]
@@ -501,7 +514,7 @@ class ScoreMethod(Method):
 
     @property
     def plans_globally(self) -> bool:
-        return self.layer_budgets == "global"
+        return self.layer_budgets == "global" and self.threshold is None
 
     def plan(self, layers: Sequence[LayerInput]) -> list[torch.Tensor]:
         """``layer_budgets="global"``: the row's budget × layers × KV heads, less what every layer
@@ -517,11 +530,22 @@ class ScoreMethod(Method):
         return global_sizes(keys, torch.clamp(budgets * heads - protected, min=0))
 
     def compress(self, view: KVView, context: LayerContext, sizes: torch.Tensor | None = None) -> Edit:
+        if sizes is None and self.threshold is not None:
+            return Edit(keep=self.keep_above_threshold(view, context, self.layer_budget(context)))
         if sizes is None:
             return Edit(keep=self.select(view, context, self.layer_budget(context), self.head_budgets))
         budgets = self._sized_budgets(sizes, context)
         key = self.ranking_key(view, context, budgets)
         return Edit(keep=top_per_head(key, plus_protected(sizes, self.protected(view, context, budgets), view.lengths)))
+
+    def keep_above_threshold(self, view: KVView, context: LayerContext, caps: torch.Tensor) -> torch.Tensor:
+        """Keep mask [B, H, L]: per head, the protected entries and those scoring ≥ ``threshold``, at most
+        ``caps[b]`` (never fewer than the protected ones), the best first."""
+        key = self.ranking_key(view, context, caps)
+        protected = (key >= PROTECTED_PRIORITY).sum(dim=-1)
+        passing = (key >= self.threshold).sum(dim=-1)  # protected keys rank above any threshold
+        counts = torch.minimum(passing, torch.maximum(caps[:, None].to(key.device), protected))
+        return top_per_head(key, counts)
 
     def _sized_budgets(self, sizes: torch.Tensor, context: LayerContext) -> torch.Tensor:
         """The per-row budget that protected sets depend on, when sizes come from elsewhere: the
