@@ -137,16 +137,14 @@ class Session:
         layer, view = self.layers[layer_idx], self.view(layer_idx)
         out, best = attend_with_max_weights(query, view.keys, view.values, view.positions, view.valid, key, value,
                                             positions, layer.scaling)
-        seen = layer.observations.get("replay_chunk_scores")
-        layer.observations["replay_chunk_scores"] = best if seen is None else torch.maximum(seen, best)
+        seen = layer.observations.get("replay_scores")
+        layer.observations["replay_scores"] = best if seen is None else torch.maximum(seen, best)
         return out.to(query.dtype)
 
     def finish_replay(self) -> None:
-        """The replay is over: its scores become ``replay_scores``, and the prompt is compressed (unless this
-        session keeps its prefill whole for forks)."""
+        """The replay is over (each layer's ``replay_scores`` are complete): the prompt is compressed, unless this
+        session keeps its prefill whole for forks."""
         self.replay_pending = False
-        for layer in self.layers:
-            layer.observations["replay_scores"] = layer.observations.pop("replay_chunk_scores")
         if self.compress_on_prefill:
             self._compress(range(self.num_layers))
 

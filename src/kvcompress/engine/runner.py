@@ -12,9 +12,10 @@ on its own rows. Requests keep their own positions, methods and budgets.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..hf.cache import ATTENTION_NAME, CompressedCache
+from ..hf.layers import PositionsLayer
 from ..models import attention_modules
 from ..read import read
 from ..session import Session
@@ -22,35 +23,13 @@ from ..store.slots import SlotPool, SlotTable
 from .request import Request
 
 
-class _FixedLengthLayer(CacheLayerMixin):
-    """What transformers asks of a cache layer during a batched decoding step (the kvcompress attention
-    ignores the mask: causality comes from each entry's position)."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
-        raise RuntimeError("the engine's layers are written by the kvcompress attention function")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
-        return query_length, 0
-
-    def get_seq_length(self) -> int:  # noqa: D102
-        return 0
-
-    def get_max_length(self) -> int:  # noqa: D102
-        return -1
-
-
 class _BatchCache(Cache):
     """One decoding step over many sessions (one per request, each with its own method)."""
 
     def __init__(self, runner: ModelRunner, sessions: list[Session]):
         self.runner, self.sessions = runner, sessions
-        super().__init__(layers=[_FixedLengthLayer() for _ in range(runner.num_layers)])
+        # each request's positions come with the step; the kvcompress attention ignores transformers' mask
+        super().__init__(layers=[PositionsLayer(lambda: 0) for _ in range(runner.num_layers)])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.runner.modules[layer_idx]._kvcompress_pending = (self, layer_idx)

@@ -2,12 +2,13 @@
 
 How it hooks in: building a ``CompressedCache`` switches the model to the attention
 implementation ``"kvcompress"`` (registered in ``AttentionInterface``, with SDPA's mask
-function). A method that scores by a replay of the prompt (KVzip) is replayed as
-soon as the prefill's forward returns (a forward hook on the decoder stack: ``replay.py``). In each layer the model calls ``cache.update(k, v, layer_idx)``; ours stores
+function). In each layer the model calls ``cache.update(k, v, layer_idx)``; ours stores
 nothing there: it marks the layer as pending on its attention module and returns the new
 states. The registered attention function then hands the layer to the ``Session``, which
 prefills (the first forward) or decodes. With any other cache the same attention function is
-plain SDPA, so a model switched to ``kvcompress`` still works with ``DynamicCache``.
+plain SDPA, so a model switched to ``kvcompress`` still works with ``DynamicCache``. A method that
+scores by a replay of the prompt (KVzip) is replayed as soon as the prefill's forward returns (a
+forward hook on the decoder stack: ``replay.py``).
 
 ``get_seq_length`` returns the number of token positions seen, not entries held, so RoPE
 positions of new tokens stay right after eviction. Beam search, cropping and batch
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, AutoTokenizer
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -30,40 +31,10 @@ from ..methods import Method, Needs, get_method
 from ..models import attention_modules, decoder_stack, model_facts, rotary_embedding
 from ..session import Session
 from ..store.slots import SlotPool
-from .replay import ReplayPrompts, replay
+from .layers import PositionsLayer
+from .replay import ReplayPrompts, run_replay
 
 ATTENTION_NAME = "kvcompress"
-
-
-class _LayerShim(CacheLayerMixin):
-    """What transformers asks of a cache layer: its length (token positions seen)."""
-
-    is_compileable = False
-    is_sliding = False
-    is_croppable = False
-
-    def __init__(self, cache: CompressedCache, layer_idx: int):
-        super().__init__()
-        self._cache, self._idx = cache, layer_idx
-
-    def _seen(self) -> int:
-        layer = self._cache.session.layers[self._idx]
-        return 0 if layer is None else layer.seen
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
-        raise RuntimeError("CompressedCache layers are written by the kvcompress attention function, not by update().")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
-        return self._seen() + query_length, 0
-
-    def get_seq_length(self) -> int:  # noqa: D102
-        return self._seen()
-
-    def get_max_length(self) -> int:  # noqa: D102
-        return -1
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -160,7 +131,7 @@ class CompressedCache(Cache):
         self.session = Session(method, pool, num_layers=facts.num_layers, num_kv_heads=facts.num_kv_heads,
                                modules=modules, rotary=rotary_embedding(model), observe=observe,
                                compress_on_prefill=compress_on_prefill)
-        super().__init__(layers=[_LayerShim(self, i) for i in range(facts.num_layers)])
+        super().__init__(layers=[PositionsLayer(self._seen_by(i)) for i in range(facts.num_layers)])
         self.recorder: dict[int, tuple] | None = None  # set to {} to record each layer's next step (diagnose)
 
     @classmethod
@@ -173,6 +144,15 @@ class CompressedCache(Cache):
         return cls(model, compress_on_prefill=False, observation_window=needs.window,
                    attention_sums=needs.attention_sums, hidden_stats=needs.hidden_stats, key_pages=needs.key_pages,
                    hidden_states=needs.hidden_states, replay=needs.replay, tokenizer=tokenizer)
+
+    def _seen_by(self, layer_idx: int):
+        """The token positions a layer has seen (0 before its prefill), as transformers asks for them."""
+
+        def seen() -> int:
+            layer = self.session.layers[layer_idx]
+            return 0 if layer is None else layer.seen
+
+        return seen
 
     @property
     def method(self) -> Method:
@@ -232,7 +212,7 @@ class CompressedCache(Cache):
 
     def replay(self, decoder, input_ids: torch.Tensor | None) -> None:
         """Right after the prefill of ``input_ids`` (a method that replays the prompt): replay it, then compress."""
-        replay(decoder, self.session, self._modules, self._replay_prompts, input_ids)
+        run_replay(decoder, self.session, self._modules, self._replay_prompts, input_ids)
 
     # ----- prefill once, compress many ----------------------------------------------------
     def fork(self, method: Method) -> CompressedCache:
@@ -240,7 +220,7 @@ class CompressedCache(Cache):
         method.check_model(self._config)
         twin = copy.copy(self)
         twin.session = self.session.fork(method)
-        twin.layers = [_LayerShim(twin, i) for i in range(len(self.layers))]
+        twin.layers = [PositionsLayer(twin._seen_by(i)) for i in range(len(self.layers))]
         twin.recorder = None
         return twin
 

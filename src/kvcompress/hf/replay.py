@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..session import Session
+from .layers import PositionsLayer
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -57,39 +58,12 @@ class ReplayPrompts:
         return inputs
 
 
-class _ReplayLayer(CacheLayerMixin):
-    """What transformers asks of a cache layer during the replay: the prompt's length (the replay's
-    positions follow it)."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, seen: int):
-        super().__init__()
-        self.seen = seen
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
-        raise RuntimeError("the replay's layers are read by the kvcompress attention function, never written")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:  # noqa: D102
-        return self.seen
-
-    def get_max_length(self) -> int:  # noqa: D102
-        return -1
-
-
 class _ReplayCache(Cache):
     """One replay chunk through the decoder: each layer's attention goes to ``Session.replay_layer``."""
 
     def __init__(self, session: Session, modules):
         self.session, self.modules = session, modules
-        super().__init__(layers=[_ReplayLayer(layer.seen) for layer in session.layers])
+        super().__init__(layers=[PositionsLayer(lambda seen=layer.seen: seen) for layer in session.layers])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.modules[layer_idx]._kvcompress_pending = (self, layer_idx)
@@ -101,7 +75,7 @@ class _ReplayCache(Cache):
 
 
 @torch.inference_mode()
-def replay(decoder, session: Session, modules, prompts: ReplayPrompts, prompt_ids: torch.Tensor) -> None:
+def run_replay(decoder, session: Session, modules, prompts: ReplayPrompts, prompt_ids: torch.Tensor) -> None:
     """Run the replay of ``prompt_ids`` [B, n] (the ids just prefilled; rows of equal, unpadded length) through
     ``decoder`` (the model's decoder stack) and let the session compress."""
     if prompt_ids is None:
@@ -121,4 +95,4 @@ def replay(decoder, session: Session, modules, prompts: ReplayPrompts, prompt_id
     session.finish_replay()
 
 
-__all__ = ["FIRST_PROMPT", "NEXT_PROMPT", "ReplayPrompts", "replay"]
+__all__ = ["FIRST_PROMPT", "NEXT_PROMPT", "ReplayPrompts", "run_replay"]

@@ -5,8 +5,9 @@ group gives it while the model, with the prompt's cache as prefix, is made to re
 (teacher-forced: r = ["Repeat the previous context exactly.", the turn to answer, the prompt]), the
 softmax taken over everything the query sees (METHODS.md, "KVzip"). The score asks no question, so
 one compressed prompt serves any later question. Long prompts are replayed in chunks of ``chunk``
-tokens, each chunk's queries attending to the whole prompt and to the chunk (``hf/replay.py``): the
-scoring costs about one more prefill. The lowest scores leave; by default the ranking is one over
+tokens, each chunk's queries attending to the whole prompt and to the chunk (``hf/replay.py``): one
+more pass over the prompt (measured here at 4.0× a prefill at 2k tokens, its attention being the
+float32 one that materialises every weight). The lowest scores leave; by default the ranking is one over
 every layer and head (the paper's non-uniform budgets: each head keeps its own share), ``sinks``
 first tokens always kept.
 """

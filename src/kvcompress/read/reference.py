@@ -123,10 +123,6 @@ def read_reference(
     return out.reshape(b, hq, q, d), lse.reshape(b, hq, q), sums
 
 
-__all__ = ["attend_reference", "attend_with_max_weights", "attention_probs", "group_queries", "masked_logits", "merge_lse",
-           "read_reference"]
-
-
 def attend_with_max_weights(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -168,3 +164,7 @@ def attend_with_max_weights(
         outs.append(torch.einsum("bhgql,bhld->bhgqd", probs, all_values.float()))
         best = torch.maximum(best, probs[..., : keys.shape[2]].amax(dim=(2, 3)))
     return torch.cat(outs, dim=3).reshape(b, hq, q, d), best
+
+
+__all__ = ["attend_reference", "attend_with_max_weights", "attention_probs", "group_queries", "masked_logits", "merge_lse",
+           "read_reference"]
