@@ -40,7 +40,7 @@ def kept_share(view, positions: list[int]) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="gvote,gvote:include_current=True,snapkv,gvote:select_with=snapkv")
+    parser.add_argument("--methods", default="gvote,gvote:include_current=True,snapkv,snapkv+gvote")
     parser.add_argument("--ratio", type=float, default=0.35, help="size of the methods that take one")
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--context-tokens", type=int, default=1024)

@@ -10,7 +10,7 @@ kvpress pins its own transformers, so it runs in a separate virtual environment:
 Pairs (``--method``; files go to ``--out``/<method>/):
 
 * snapkv ↔ SnapKVPress (avg pooling).
-* streamingllm ↔ StreamingLLMPress (4 sinks; ours with roll=False: kvpress compresses once at
+* streamingllm ↔ StreamingLLMPress (4 sinks; ours as streamingllm+static: kvpress compresses once at
   prefill, our default rolls the window while decoding).
 * adakv ↔ AdaKVPress(SnapKVPress) (α = 0.2; the allocations differ: ours is the paper's
   b_h = α·B + (1 − α)·c_h, kvpress forces each head's top α·B entries, then prunes globally).
@@ -80,11 +80,12 @@ def run_ours(args) -> None:
 
     model, tokenizer = kvc.load_model()
     snap = {"window": args.window, "kernel": args.kernel, "pooling": "avg"}
-    options = {"snapkv": snap, "adakv": {**snap, "alpha": 0.2}, "streamingllm": {"sinks": 4, "roll": False},
-               "kvzip": {"sinks": 4, "layer_budgets": "global", "chunk": 2048},
+    spec = {"streamingllm": "streamingllm+static"}.get(args.method, args.method)  # kvpress compresses once
+    options = {"snapkv": snap, "adakv": {**snap, "alpha": 0.2}, "streamingllm": {"sinks": 4},
+               "kvzip": {"sinks": 4, "chunk": 2048},  # the kvzip preset ranks once over layers and heads
                "expected_attention": {"window": None, "future": 512, "use_covariance": True, "use_vnorm": True,
                                       "epsilon": 0.0, "sinks": 4}}[args.method]
-    method = kvc.get_method(args.method, ratio=args.ratio, **options)
+    method = kvc.get_method(spec, ratio=args.ratio, **options)
     record_kept = args.method in ("kvzip", "expected_attention")
     per_task = args.samples // len(BUILTIN_TASKS)
     rows = []

@@ -41,7 +41,7 @@ def test_plain_caches_still_work_after_switching_attention():
 def test_padded_batch_matches_per_sample_runs(name):
     model = tiny_model(seed=3)
     rows, batch, mask = left_padded_batch([64, 41], seed=2)
-    method = tiny_method(name, model, budget=24, **({"buffer": 3} if name == "retention" else {})) if name != "full" else get_method("full")
+    method = tiny_method(name, model, budget=24, **({"slack": 3} if name == "retention" else {})) if name != "full" else get_method("full")
     cache = CompressedCache(model, method)
     batched = _generate(model, batch, cache, mask)
     for i, row in enumerate(rows):

@@ -16,7 +16,7 @@ def test_a_global_plan_gives_layers_different_sizes_within_one_budget():
     with torch.no_grad():  # peaked attention in some layers, flat in others, so that their needs differ
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.q_proj.weight.mul_(1 + 6 * (i % 2))
-    method = get_method("snapkv", budget=24, window=8, layer_budgets="global")
+    method = get_method("snapkv+global", budget=24, window=8)
     assert method.plans_globally
     cache = CompressedCache(model, method)
     model(_ids(100), past_key_values=cache)
@@ -35,7 +35,7 @@ def test_a_global_plan_gives_layers_different_sizes_within_one_budget():
 def test_global_plan_forks_like_it_compresses():
     model = tiny_model(layers=3)
     ids = _ids(90)
-    method = get_method("adakv", ratio=0.3, window=8, layer_budgets="global")
+    method = get_method("adakv+global", ratio=0.3, window=8)
     direct = CompressedCache(model, method)
     model(ids, past_key_values=direct)
     shared = CompressedCache.shared(model, [method])

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from .hf import CompressedCache
-from .methods import Method
+from .methods import Policy
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -79,7 +79,7 @@ class _PlainCache(DynamicCache):
 
 
 @torch.inference_mode()
-def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_tokens: int, tokenizer=None) -> dict:
+def bench_one(model, method: Policy | None, input_ids: torch.Tensor, decode_tokens: int, tokenizer=None) -> dict:
     """Prefill ``input_ids`` [B, n], compress, decode ``decode_tokens`` greedy steps; timings and memory.
 
     ``method=None`` runs transformers' plain DynamicCache (row ``hf_dynamic_cache``); ``tokenizer``: for a method
@@ -116,7 +116,7 @@ def bench_one(model, method: Method | None, input_ids: torch.Tensor, decode_toke
     }
 
 
-def bench(model, tokenizer, methods: list[Method], *, context_tokens: int, batch_size: int = 1,
+def bench(model, tokenizer, methods: list[Policy], *, context_tokens: int, batch_size: int = 1,
           decode_tokens: int = 32, repeats: int = 1, seed: int = 0, progress: bool = True) -> list[dict]:
     """One row per method (after transformers' plain DynamicCache as ``hf_dynamic_cache``), with
     ratios to ``full`` from the same run.
@@ -177,7 +177,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def bench_engine(llm, methods: list[Method | None], *, requests: int, context_tokens: int, max_tokens: int, seed: int = 0,
+def bench_engine(llm, methods: list[Policy | None], *, requests: int, context_tokens: int, max_tokens: int, seed: int = 0,
                  progress: bool = True) -> list[dict]:
     """Serve ``requests`` prompts of ``context_tokens`` random tokens (``max_tokens`` new each, end of sequence
     ignored) with each method on one engine: concurrency, throughput, TTFT and time per output token, with

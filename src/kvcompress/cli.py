@@ -14,7 +14,7 @@ from tqdm import tqdm
 from . import available_methods, generate, get_method, load_model
 from .demo import demo_table, needle_prompt
 from .eval.tasks import BUILTIN_TASKS
-from .methods import REGISTRY, MethodSpec, split_method_list
+from .methods import PARTS, REGISTRY, MethodSpec, available_parts, split_method_list
 
 
 def _method(spec: str, budget: int | None = None, ratio: float | None = None, default_ratio: float | None = None):
@@ -478,20 +478,29 @@ def cmd_corpus(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    """List the registered methods: paper, what each does (its docstring's first line), its size and its
-    options with their defaults (``name:option=value`` on the command line)."""
+    """List the methods (presets: paper, parts, size, options with their values) and the parts they are made
+    of (role, what each does, options with defaults), so that ``name:option=value+part:option=value`` can be written."""
     import textwrap
-    from dataclasses import MISSING, fields
+    from dataclasses import fields
+
+    def show(head: str, lines: list[str]) -> None:
+        print(head)
+        for line in lines:
+            print(textwrap.fill(line, width=100, initial_indent=" " * 14, subsequent_indent=" " * 16))
+
+    def options(parts) -> str:
+        return " ".join(f"{f.name}={getattr(part, f.name)!r}" for part in parts for f in fields(part)) or "none"
 
     for name in available_methods():
-        cls = REGISTRY[name]
-        summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        size = "size: budget= or ratio=" if cls.needs_budget else f"no size ({cls.sizes_itself or 'it sizes itself'})"
-        options = " ".join(f"{f.name}={f.default!r}" for f in fields(cls)
-                           if f.name not in ("budget", "ratio") and f.default is not MISSING)
-        print(f"{name:13} {cls.paper}")
-        for line in (summary, size, f"options: {options}"):
-            print(textwrap.fill(line, width=100, initial_indent=" " * 14, subsequent_indent=" " * 16))
+        preset = REGISTRY[name]
+        parts = preset.parts()
+        size = "size: budget= or ratio=" if preset.needs_budget else f"no size ({preset.sizes_itself})"
+        made_of = " ".join(f"{role}={part.name}" for role, part in parts.items()) or "nothing: every entry kept, plain"
+        show(f"{name:13} {preset.paper}", [f"parts: {made_of}", size, f"options: {options(parts.values())}"])
+    print("\nparts (add with +name:option=value; each replaces the method's part of its role):")
+    for name in available_parts():
+        cls = PARTS[name]
+        show(f"{name:13} {cls.role}: {cls.about}", [f"options: {options([cls()])}"])
     return 0
 
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .hf import CompressedCache
 from .demo import haystack_text
-from .methods import Method
+from .methods import Policy
 
 
 def text_ids(tokenizer, text: str | None, count: int) -> list[int]:
@@ -35,7 +35,7 @@ def text_ids(tokenizer, text: str | None, count: int) -> list[int]:
 
 
 @torch.inference_mode()
-def diagnose(model, tokenizer, methods: list[Method], *, text: str | None = None,
+def diagnose(model, tokenizer, methods: list[Policy], *, text: str | None = None,
              context_tokens: int = 1536, continuation_tokens: int = 64, progress: bool = True) -> list[dict]:
     """Fidelity rows (DESIGN.md ``diagnose.json``) for ``full`` and each method."""
     if context_tokens < 1 or continuation_tokens < 2:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .hf import CompressedCache
-from .methods import Method, get_method
+from .methods import Policy, get_method
 from .models import model_facts
 
 _SLOT = "\x00QUESTION\x00"
@@ -83,7 +83,7 @@ def check_inputs(model, context: str, prompt: Prompt, max_new_tokens: int) -> No
 
 
 @torch.inference_mode()
-def _resolve(method: Method | str | None, budget: int | None, ratio: float | None) -> Method:
+def _resolve(method: Policy | str | None, budget: int | None, ratio: float | None) -> Policy:
     """The method to use: a spec with its size, or a ready method (which carries its own)."""
     sized = budget is not None or ratio is not None
     if isinstance(method, str):
@@ -99,7 +99,7 @@ def generate(
     tokenizer,
     context: str,
     question: str,
-    method: Method | str | None = None,
+    method: Policy | str | None = None,
     *,
     budget: int | None = None,
     ratio: float | None = None,
@@ -107,7 +107,7 @@ def generate(
     query_aware: bool = False,
 ) -> GenerateOutput:
     """Answer ``question`` about ``context`` greedily, with the context's KV cache compressed by ``method``
-    (a ``Method``, or a name or spec such as ``"snapkv:window=16"`` with its ``budget=`` or ``ratio=``).
+    (a ``Policy``, or a name or spec such as ``"snapkv:window=16"`` with its ``budget=`` or ``ratio=``).
 
     Returns the answer text, its token ids, the prompt ids (feed them to ``model.generate``
     to compare with an uncompressed run) and stats: kr, cr, kv_bytes, kv_bytes_full, entries_per_head (right

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .methods.base import Method, Needs
+from .methods import Needs, Policy
 from .read import attend_with_max_weights, prompt_attention, read
 from .store.slots import SlotPool, SlotTable
 from .store.view import UNCHANGED, Edit, KVView, LayerContext, LayerInput
@@ -65,7 +65,7 @@ class Session:
         compress_on_prefill: False keeps the full prefill so that ``fork`` can compress copies.
     """
 
-    def __init__(self, method: Method, pool: SlotPool, *, num_layers: int, num_kv_heads: int, modules=None, rotary=None,
+    def __init__(self, method: Policy, pool: SlotPool, *, num_layers: int, num_kv_heads: int, modules=None, rotary=None,
                  observe: Needs | None = None, compress_on_prefill: bool = True):
         self.method = method
         self.pool = pool
@@ -85,7 +85,7 @@ class Session:
         self._step: dict = {}  # scratch shared by the layers of one decoding step (LayerContext.step)
         self.replay_pending = False  # the prompt is prefilled and waits for its replay (KVzip) to be compressed
         self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
-        storage = method.storage(pool.dtype)
+        storage = method.storage_for(pool.dtype)
         self.code_tier = pool.tier(storage[0]) if storage else 0  # coded storage: the pool tier, 0 = plain
         self.code_recent = storage[1] if storage else 0  # newest entries per head kept plain
 
@@ -359,7 +359,7 @@ class Session:
         return [torch.cat(parts, dim=2) for parts in outputs]
 
     # ----- prefill once, compress many ---------------------------------------------------------
-    def fork(self, method: Method) -> Session:
+    def fork(self, method: Policy) -> Session:
         """A copy of this (uncompressed) session compressed with ``method``; this one is untouched."""
         if self.compress_on_prefill:
             raise ValueError("fork() needs a session built with compress_on_prefill=False.")

@@ -9,29 +9,31 @@ import torch
 
 from kvcompress.engine import SamplingParams
 from kvcompress.methods import get_method
+from kvcompress.methods import Policy
+from kvcompress.methods.decoding import Evict
+from kvcompress.methods.fates import Drop
 from kvcompress.methods.snapkv import SnapKV
 from test_llm import make_llm, prompts_of, reference, sharp_model
 
 
 @dataclass
-class BrokenAtPrefill(SnapKV):
-    """SnapKV whose compression raises (a method's bug)."""
+class BrokenAtPrefill(Drop):
+    """A fate whose prefill edit raises (a method's bug)."""
 
     name: ClassVar[str] = "broken_prefill"
 
-    def compress(self, view, context, sizes=None):
+    def evict(self, policy, view, context, ranking, per_head, budgets):
         raise RuntimeError("a method's bug at the prefill")
 
 
 @dataclass
-class BrokenWhileDecoding(SnapKV):
-    """SnapKV that evicts while decoding and raises from its ``fail_at``-th decoding call on."""
+class BrokenWhileDecoding(Drop):
+    """A fate that raises from its ``fail_at``-th decoding call on."""
 
     fail_at: int = 3
     name: ClassVar[str] = "broken_decode"
-    evict_while_decoding: ClassVar[bool] = True
 
-    def decode_step(self, view, context, col_sums):
+    def decode(self, policy, view, context, col_sums, budgets, slack):
         calls = self.__dict__.setdefault("_calls", [0])
         calls[0] += 1
         if calls[0] >= self.fail_at:
@@ -48,7 +50,7 @@ def test_a_method_that_raises_at_the_prefill_fails_its_request_alone():
     llm = make_llm(model)
     prompts = prompts_of([30, 41, 25])
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    outs = llm.generate(prompts, params, method=[None, BrokenAtPrefill(budget=16, window=4), None])
+    outs = llm.generate(prompts, params, method=[None, Policy(score=SnapKV(window=4), fate=BrokenAtPrefill(), budget=16), None])
     assert outs[1].finish_reason == "error" and "a method's bug at the prefill" in outs[1].error
     for i in (0, 2):
         assert outs[i].finish_reason == "length" and outs[i].token_ids == reference(model, prompts[i], 6)
@@ -62,7 +64,7 @@ def test_a_method_that_raises_in_a_batched_decoding_step_fails_alone_and_the_oth
     prompts = prompts_of([30, 41, 25, 50], seed=3)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     snap = get_method("snapkv", budget=16, window=4)
-    methods = [None, BrokenWhileDecoding(budget=16, window=4, fail_at=3), snap, None]
+    methods = [None, Policy(score=SnapKV(window=4), fate=BrokenWhileDecoding(fail_at=3), decoding=Evict(), budget=16), snap, None]
     outs = llm.generate(prompts, params, method=methods)
     assert outs[1].finish_reason == "error" and "while decoding" in outs[1].error
     assert outs[0].token_ids == reference(model, prompts[0], 8)

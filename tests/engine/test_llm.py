@@ -67,7 +67,7 @@ def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_step
 def test_compressing_methods_equal_the_single_request_cache(name):
     model = sharp_model(seed=2)
     options = {"budget": 20, **({"window": 8} if name not in ("streamingllm", "h2o", "retention", "kvzip", "expected_attention") else {}),
-               **({"buffer": 4} if name == "retention" else {})}
+               **({"slack": 4} if name == "retention" else {})}
     method = kvc.get_method(name) if name == "gvote" else tiny_method(name, model, **options)
     llm = make_llm(model)
     prompts = prompts_of([64, 90, 41], seed=3)
@@ -93,8 +93,8 @@ def test_admission_by_compressed_size_fits_more_requests():
     assert all(len(o.token_ids) == 8 for o in outs) and snap.pool.num_used == 0
 
 
-@pytest.mark.parametrize("spec", ["kivi:bits=4:group_size=16:residual=8", 'snapkv:budget=40:window=8:codec="kivi:bits=2:group_size=16:residual=8"',
-                                  "deltakv:recent=8:chunk=8", 'omnikv:ratio=0.5:codec="deltakv:recent=8:chunk=8:checkpoint=CODEC"'])
+@pytest.mark.parametrize("spec", ["kivi:bits=4:group_size=16:residual=8", 'snapkv:budget=40:window=8+kivi:bits=2:group_size=16:residual=8',
+                                  "deltakv:recent=8:chunk=8", 'omnikv:ratio=0.5+deltakv:recent=8:chunk=8:checkpoint=CODEC'])
 def test_coded_requests_equal_the_single_request_cache(spec):
     """Coded storage in the engine (KIVI, DeltaKV, each alone and under another method): the same tokens as the
     single-request cache with the same codec, entries coded as they arrive (prompts and answers span several
@@ -256,7 +256,7 @@ def test_the_admission_estimate_of_coded_bytes_bounds_what_a_prompt_holds(length
     from kvcompress.engine.request import Request
 
     specs = [kvc.get_method("kivi", bits=2, group_size=16, residual=8), kvc.get_method("kivi", bits=4, group_size=16, residual=8),
-             tiny_method("deltakv", MODEL, recent=8, chunk=8), kvc.get_method("snapkv", budget=40, window=8, codec="kivi:group_size=16:residual=8")]
+             tiny_method("deltakv", MODEL, recent=8, chunk=8), kvc.get_method("snapkv:window=8+kivi:group_size=16:residual=8", budget=40)]
     llm = make_llm(MODEL)
     prompt = prompts_of([length], seed=length)[0]
     request = Request(0, prompt, SamplingParams(max_tokens=1), specs[which])

@@ -137,7 +137,7 @@ def test_method_specs_work_everywhere_a_method_is_taken():
     by_spec = llm.generate(prompt, params, method="snapkv:window=8:ratio=0.25")[0]
     by_object = llm.generate(prompt, params, method=kvc.get_method("snapkv", window=8, ratio=0.25))[0]
     assert by_spec.token_ids == by_object.token_ids and by_spec.stats["kv_bytes"] == by_object.stats["kv_bytes"]
-    assert kvc.get_method("snapkv:window=16", ratio=0.1).window == 16
+    assert kvc.get_method("snapkv:window=16", ratio=0.1).score.window == 16
 
 
 @pytest.mark.parametrize("spec,message", [("snapk:window=16", "unknown method 'snapk' in the spec"),

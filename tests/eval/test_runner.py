@@ -83,7 +83,7 @@ def test_method_grid_runs_full_once_and_validates_up_front():
 def test_method_specs_carry_options_and_keep_variants_apart():
     grid = method_grid(EvalSettings(methods=["keepkv", "keepkv:key_rule=votes:max_key_scale=inf", "gvote:p_nuc=0.9"], budgets=[64]))
     assert [m.variant for m in grid] == ["full", "keepkv", "keepkv[key_rule=votes,max_key_scale=inf]", "gvote[p_nuc=0.9]"]
-    assert grid[2].max_key_scale == float("inf") and grid[2].budget == 64 and grid[3].budget is None
+    assert grid[2].fate.max_key_scale == float("inf") and grid[2].budget == 64 and grid[3].budget is None
     with pytest.raises(ValueError, match="has no option"):
         method_grid(EvalSettings(methods=["snapkv:windw=8"], budgets=[64]))
     with pytest.raises(ValueError, match="name:option=value"):
@@ -182,7 +182,7 @@ def test_command_line_methods_take_the_default_size_only_when_they_need_one():
     assert _method("snapkv:window=8", budget=64, default_ratio=0.25).budget == 64
     assert _method("snapkv", budget=64, default_ratio=0.25).ratio is None
     gvote = _method("gvote:p_nuc=0.9", default_ratio=0.25)  # sizes itself: no default ratio forced on it
-    assert gvote.ratio is None and gvote.budget is None and gvote.p_nuc == 0.9
+    assert gvote.ratio is None and gvote.budget is None and gvote.sizes.p_nuc == 0.9
     assert _method("full", default_ratio=0.25).ratio is None
     with pytest.raises(ValueError, match="chooses its own budget"):
         _method("gvote", ratio=0.5)  # a size given explicitly still reaches it, and is refused

@@ -5,7 +5,7 @@ import torch
 
 from common import kept_positions, random_layer
 from kvcompress import get_method
-from kvcompress.methods.base import (
+from kvcompress.methods.selection import (
     adaptive_head_budgets,
     chunk_average,
     priority,

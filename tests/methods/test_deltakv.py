@@ -76,7 +76,7 @@ def test_the_paper_accounting_bounds_the_bytes_of_references_and_codes():
     weights = DeltaKVWeights.load(folder)
     weights.sinks = 0
     method = get_method("deltakv", checkpoint=folder, recent=0, bits=None)
-    method.__dict__["weights"] = weights  # the cached checkpoint, with no sinks: references at 0, 10, …, 90
+    method.storage.__dict__["weights"] = weights  # the cached checkpoint, with no sinks: references at 0, 10, …, 90
     cache = CompressedCache(model, method)
     with torch.no_grad():
         model(ids, past_key_values=cache)
@@ -121,7 +121,7 @@ def test_deltakv_on_a_bf16_model_stays_finite_with_four_bit_codes():
 
 
 def test_selection_over_deltakv_rebuilds_only_the_entries_it_reads(monkeypatch):
-    """``omnikv:codec="deltakv"``: the layers after a filter layer rebuild only the tokens they select."""
+    """``omnikv+deltakv``: the layers after a filter layer rebuild only the tokens they select."""
     rebuilt = []
     original = DeltaKVCodec.reconstruct
     monkeypatch.setattr(DeltaKVCodec, "reconstruct",
@@ -129,7 +129,7 @@ def test_selection_over_deltakv_rebuilds_only_the_entries_it_reads(monkeypatch):
     model = tiny_model(seed=6, layers=4)
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
     codec = f'deltakv:recent=8:checkpoint="{tiny_codec(model)}"'
-    cache = CompressedCache(model, get_method(f"omnikv:filters=(1,):recent=8:sinks=2:codec='{codec}'", budget=24))
+    cache = CompressedCache(model, get_method(f"omnikv:filters=(1,):recent=8:sinks=2+{codec}", budget=24))
     with torch.no_grad():
         logits = model(ids, past_key_values=cache).logits
         rebuilt.clear()
@@ -143,12 +143,12 @@ def test_bad_uses_fail_clearly(tmp_path):
     model = tiny_model(seed=7)
     with pytest.raises(ValueError, match="takes no size"):
         get_method("deltakv", budget=8)
-    with pytest.raises(ValueError, match="codec itself"):
+    with pytest.raises(ValueError, match="deltakv has no option codec"):
         get_method("deltakv", codec="kivi")
     with pytest.raises(ValueError, match="bits must be None"):
         get_method("deltakv", bits=2)
     with pytest.raises(ValueError, match="evicts entries head by head"):
-        get_method("snapkv", ratio=0.5, codec="deltakv")
+        get_method("snapkv+deltakv", ratio=0.5)
     with pytest.raises(ValueError, match="is not a folder"):
         get_method("deltakv", checkpoint=str(tmp_path / "missing"))
     other = tmp_path / "other"
@@ -217,7 +217,7 @@ def test_the_train_verb_writes_a_checkpoint_the_method_loads(what, flags, tiny_c
     assert config["method"] == what and config["settings"]["steps"] == 3 and (out / "steps" / "000002").is_dir()
     assert f"{what}:checkpoint=" in capsys.readouterr().out
     if what == "deltakv" and "--full-layers" in flags:
-        assert config["full_layers"] == [0, 1] and get_method("deltakv", checkpoint=str(out)).layers_left_full() == (0, 1)
+        assert config["full_layers"] == [0, 1] and get_method("deltakv", checkpoint=str(out)).storage.layers_left_full() == (0, 1)
     if "--hidden" in flags:
         assert config["hidden"] == int(flags[flags.index("--hidden") + 1])  # 0: a linear codec, trained as it ships
     weights = (out / "model.safetensors").read_bytes()
@@ -230,12 +230,12 @@ def test_the_train_verb_writes_a_checkpoint_the_method_loads(what, flags, tiny_c
 def test_sessions_of_one_method_share_its_codec_tiers():
     model = tiny_model(seed=8, layers=2)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(8))
-    method = get_method(f"omnikv:filters=(1,):codec='deltakv:recent=4:checkpoint=\"{tiny_codec(model)}\"'", budget=16)
+    method = get_method(f"omnikv:filters=(1,)+deltakv:recent=4:checkpoint=\"{tiny_codec(model)}\"", budget=16)
     shared = CompressedCache(model, compress_on_prefill=False)
     with torch.no_grad():
         model(ids, past_key_values=shared)
     forks = [shared.fork(method) for _ in range(20)]  # more than a pool's 15 tiers, were each fork to make its own
-    assert len(shared.session.pool.tiers) == 2 and method.coder() is method.coder()  # codes and references
+    assert len(shared.session.pool.tiers) == 2   # codes and references
     assert all(torch.equal(f.session.view(1).keys, forks[0].session.view(1).keys) for f in forks)
 
 
@@ -246,6 +246,6 @@ def test_codecs_ship_for_both_built_in_models(name, shapes):
     weights = DeltaKVWeights.load(shipped_folder("deltakv", name, dict(zip(("num_layers", "num_kv_heads", "head_dim"), shapes))))
     assert (weights.dims["num_layers"], weights.dims["num_kv_heads"], weights.dims["head_dim"]) == shapes
     about = weights.about
-    assert about["model"] == name and about["settings"]["bits"] == get_method("deltakv").bits
+    assert about["model"] == name and about["settings"]["bits"] == get_method("deltakv").storage.bits
     assert all(0 <= layer < shapes[0] for layer in about["full_layers"])
     assert bool(weights.w_linear.abs().sum() > 0)  # trained with the linear path (not an older codec)

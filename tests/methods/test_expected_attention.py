@@ -10,8 +10,9 @@ import kvcompress as kvc
 from common import kept_positions, layers_of, left_padded_batch, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress import CompressedCache, get_method
-from kvcompress.methods.base import MAX_BUDGET
-from kvcompress.methods.gvote import apply_rotary, averaged_rotary, project_queries
+from kvcompress.methods.budget import MAX_BUDGET
+from kvcompress.methods.gvote import project_queries
+from kvcompress.methods.rotary import apply_rotary, averaged_rotary
 from kvcompress.read import attention_probs, group_queries
 
 
@@ -84,12 +85,12 @@ def test_scores_equal_a_float64_reference(kind, options):
     method = get_method("expected_attention", ratio=0.25, **options)
     for layer in layers_of(shared):
         view, context = layer.view(), layer.context()
-        got = method.score(view, context)
+        got = method.score.score(view, context)
         obs = context.observations
         want = reference_scores(obs["window_queries"][0], obs["window_positions"][0], view.keys[0], view.values[0],
                                 view.positions[0, 0], model.model.rotary_emb.inv_freq, context.scaling,
-                                window=method.window, sinks=method.sinks, future=method.future,
-                                use_covariance=method.use_covariance, epsilon=method.epsilon)
+                                window=method.score.window, sinks=method.score.sinks, future=method.score.future,
+                                use_covariance=method.score.use_covariance, epsilon=method.score.epsilon)
         assert torch.allclose(got[0].double(), want, rtol=1e-4, atol=1e-6), (kind, options)
 
 
@@ -125,7 +126,7 @@ def test_mean_only_without_value_norm_is_the_softmax_of_the_rotated_mean_query()
         probs = attention_probs(group_queries(rotated, 2), view.keys, context.scaling, (last + 1)[:, None], view.positions,
                                 not_sinks)
         want = probs[:, :, :, 0].mean(dim=2)
-        got = method.score(view, context)
+        got = method.score.score(view, context)
         assert torch.allclose(got, want, atol=1e-6)
         assert torch.allclose(got.sum(-1), torch.ones(1, 2))  # each head's scores are a distribution over its keys
 
@@ -169,8 +170,9 @@ def test_padded_rows_score_as_they_would_alone():
 
 def test_builds_with_kvpress_defaults_and_checks_its_options():
     method = get_method("expected_attention", ratio=0.5)
-    assert method.name == "expected_attention" and method.ratio == 0.5 and method.changed_options() == {}
-    assert (method.window, method.future, method.sinks, method.use_covariance, method.use_vnorm, method.epsilon) == \
+    assert method.name == "expected_attention" and method.ratio == 0.5 and method.variant == "expected_attention"
+    score = method.score
+    assert (score.window, score.future, score.sinks, score.use_covariance, score.use_vnorm, score.epsilon) == \
         (None, 512, 4, True, True, 0.0)
     assert method.needs().window == MAX_BUDGET and method.always_kept == 4
     assert get_method("expected_attention:window=16:epsilon=0.02", budget=8).needs().window == 16

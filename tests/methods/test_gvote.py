@@ -11,11 +11,11 @@ from common import kept_positions, layers_of, left_padded_batch, random_layer, t
 from conftest import tiny_config, tiny_tokenizer
 from kvcompress import CompressedCache, get_method
 from kvcompress.eval.runner import EvalSettings, method_grid, run_eval
+from kvcompress.methods import Policy
 from kvcompress.methods.gvote import (
     STATE,
     GVote,
-    apply_rotary,
-    averaged_rotary,
+    Votes,
     generator_for,
     nucleus_budgets,
     project_queries,
@@ -23,6 +23,7 @@ from kvcompress.methods.gvote import (
     union_votes,
 )
 from kvcompress.methods.momentkv import MOMENTS, moment_floats_per_head
+from kvcompress.methods.rotary import apply_rotary, averaged_rotary
 
 
 def sharp_model(kind="llama", scale=12.0, seed=0):
@@ -182,7 +183,7 @@ def test_sampled_queries_start_after_each_rows_last_real_position():
         hidden = sample_hidden(obs["hidden_mean"], obs["hidden_std"], 5, generator_for(3, idx))
         q = project_queries(context.module, hidden, 16)
         cos, sin = averaged_rotary(context.rotary, torch.tensor([40, 25]), 7, q)
-        assert torch.allclose(method.sampled_queries(layer.view(), context), apply_rotary(q, cos, sin), atol=1e-6)
+        assert torch.allclose(method.sizes.sampled_queries(layer.view(), context), apply_rotary(q, cos, sin), atol=1e-6)
 
 
 # ----- the acceptance properties ------------------------------------------------------------------
@@ -191,7 +192,7 @@ def test_samples_equal_to_the_real_query_keep_its_top_p_set(p_nuc):
     layer, context, queries, _, _ = random_layer(batch=2, heads=2, group=3, length=64, window=8, seed=3, lengths=[64, 40])
     view = layer.view()
     keys, valid, positions = view.keys.clone(), view.valid.clone(), view.positions.clone()
-    layer.compress(RealQueryVotes(p_nuc=p_nuc, samples=4))
+    layer.compress(Policy(score=Votes(), sizes=RealQueryVotes(p_nuc=p_nuc, samples=4)))
     reference = reference_top_p(keys, valid, queries[:, :, -1], context.scaling, p_nuc, 3)
     for b, row in enumerate(kept_positions(layer)):
         for h, kept in enumerate(row):
@@ -206,7 +207,7 @@ def test_samples_equal_to_the_real_query_on_a_model():
         view = layer.view()
         q0 = layer.observations["window_queries"][:, :, -1]
         references.append(reference_top_p(view.keys, view.valid, q0, layer.scaling, 0.9, 2))
-    forked = shared.fork(RealQueryVotes(p_nuc=0.9))
+    forked = shared.fork(Policy(score=Votes(), sizes=RealQueryVotes(p_nuc=0.9)))
     for layer, reference in zip(layers_of(forked), references):
         assert kept_positions(layer) == [[sorted(s) for s in row] for row in reference]
     assert forked.stats()["cr"] < 1.0
@@ -247,8 +248,8 @@ def test_keep_set_is_the_union_of_every_sample_and_query_heads_top_budget():
     for layer in layers_of(shared):
         context = layer.context()
         twin = layer.clone()
-        budgets = method.step_budgets(twin.view(), context)
-        sampled = method.sampled_queries(twin.view(), context)
+        budgets = method.sizes.step_budgets(twin.view(), context)
+        sampled = method.sizes.sampled_queries(twin.view(), context)
         keys = twin.view().keys
         expected = []
         for h in range(2):
@@ -353,7 +354,7 @@ def test_fork_equals_compressing_directly():
 
 def test_budget_and_ratio_are_refused():
     for size in ({"budget": 16}, {"ratio": 0.5}):
-        with pytest.raises(ValueError, match="gvote chooses its own budget"):
+        with pytest.raises(ValueError, match="gvote takes no size: it chooses its own budget"):
             get_method("gvote", **size)
     for bad in ({"p_nuc": 0.0}, {"p_nuc": 1.5}, {"samples": 0}, {"future": 0}):
         with pytest.raises(ValueError):
@@ -368,7 +369,7 @@ def test_moment_correction_folds_exactly_the_dropped_entries():
     model = sharp_model()
     shared = _shared(model, _ids(70))
     plain = shared.fork(get_method("gvote"))
-    corrected = shared.fork(get_method("gvote", moment_correction=True))
+    corrected = shared.fork(get_method("gvote+momentkv"))
     for full, a, b in zip(layers_of(shared), layers_of(plain), layers_of(corrected)):
         assert torch.equal(a.view().positions, b.view().positions)  # the keep-set is GVote's either way
         assert a.summary is None and b.summary is b.state[MOMENTS]
@@ -393,9 +394,9 @@ def _shared_for(model, ids, method):
 
 @pytest.mark.parametrize("selector", ["snapkv", "h2o", "momentkv", "keepkv"])
 def test_gvote_as_the_budget_source_of_another_method(selector):
-    """select_with: GVote's per-head sizes, the selector's choice of entries (and its moments or votes)."""
+    """``selector+gvote``: GVote's per-head sizes, the selector's choice of entries (and its moments or votes)."""
     model = sharp_model()
-    method = get_method("gvote", select_with=selector)
+    method = get_method(f"{selector}+gvote" + ("+static" if selector != "snapkv" else ""))
     assert method.needs().window == max(1, get_method(selector, budget=8).needs().window)
     shared = _shared_for(model, _ids(90), method)
     own = shared.fork(get_method("gvote"))
@@ -405,8 +406,8 @@ def test_gvote_as_the_budget_source_of_another_method(selector):
         assert bool((theirs.head_lengths() >= mine.head_lengths()).all())
         if selector == "snapkv":
             assert torch.equal(theirs.head_lengths(), torch.clamp(mine.head_lengths() + 32, max=90))
-        reference = full.clone()
-        reference.compress(get_method(selector, budget=8), sizes=mine.head_lengths())
+        reference = full.clone()  # the selector at the largest union's size (its protected set follows it)
+        reference.compress(get_method(selector, budget=int(mine.head_lengths().max())), sizes=mine.head_lengths())
         assert kept_positions(theirs) == kept_positions(reference)  # the selector's entries
     if selector == "momentkv":
         assert all(layer.summary is layer.state[MOMENTS] for layer in layers_of(composed) if layer.num_entries < 2 * 90)
@@ -417,13 +418,13 @@ def test_gvote_as_the_budget_source_of_another_method(selector):
 
 
 
-def test_select_with_refuses_what_cannot_take_sizes():
-    with pytest.raises(ValueError, match="cannot take GVote's sizes"):
-        get_method("gvote", select_with="gvote")
-    with pytest.raises(ValueError, match="cannot take GVote's sizes"):
-        get_method("gvote", select_with="nope")
-    with pytest.raises(ValueError, match="choose one"):
-        get_method("gvote", select_with="snapkv", moment_correction=True)
+def test_compositions_with_gvote_refuse_what_cannot_work():
+    with pytest.raises(ValueError, match="reads the gvote sizer's votes"):
+        get_method("snapkv+votes", ratio=0.5)
+    with pytest.raises(ValueError, match="add \\+static"):
+        get_method("h2o+gvote")
+    with pytest.raises(ValueError, match="unknown part 'nope'"):
+        get_method("gvote+nope")
 
 
 def test_eval_runs_gvote_once_and_reports_its_realized_budget(tmp_path):

@@ -179,7 +179,7 @@ def test_ema_importance_is_bias_corrected():
     col_sums = torch.zeros(1, 2, 31)
     col_sums[..., -1] = 0.7  # the new entry receives 0.7 from both query heads at its first update
     layer.decode_step(method, col_sums, torch.randn(1, 4, 1, 8), torch.tensor([[30]]))
-    assert float(method.importance(layer.view())[0, 0, -1]) == pytest.approx(0.7)  # not (1 − α)·0.7
+    assert float(method.score.importance(layer.view())[0, 0, -1]) == pytest.approx(0.7)  # not (1 − α)·0.7
 
 
 def _orthogonal_layer(length=40, dim=8, seed=8):

@@ -1,4 +1,4 @@
-"""KIVI as a method and as any method's codec: exactness where nothing is coded, kr from the accounting
+"""KIVI as a method and as any policy's storage: exactness where nothing is coded, kr from the accounting
 formula, composition with eviction, forks, bf16, and clear errors."""
 
 import pytest
@@ -59,7 +59,7 @@ def test_snapkv_with_a_kivi_codec_keeps_what_snapkv_keeps_in_fewer_bytes():
     model = tiny_model(seed=2)
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(2))
     plain = CompressedCache(model, get_method("snapkv", ratio=0.5, window=8))
-    coded = CompressedCache(model, get_method('snapkv:window=8:codec="kivi:bits=4:group_size=8:residual=8"', ratio=0.5))
+    coded = CompressedCache(model, get_method('snapkv:window=8+kivi:bits=4:group_size=8:residual=8', ratio=0.5))
     for cache in (plain, coded):
         with torch.no_grad():
             model(ids, past_key_values=cache)
@@ -68,7 +68,7 @@ def test_snapkv_with_a_kivi_codec_keeps_what_snapkv_keeps_in_fewer_bytes():
         ids_held = b.session.table.ids[b.session.rows(b.idx), :, :, 0]
         assert bool((ids_held >> TIER_SHIFT > 0).any())  # what snapkv keeps is coded
     assert coded.stats()["kr"] < 0.5 * plain.stats()["kr"]
-    assert coded.session.method.label == "snapkv@0.5[codec=kivi:bits=4:group_size=8:residual=8,window=8]"
+    assert coded.session.method.label == "snapkv@0.5[window=8]+kivi[bits=4,group_size=8,residual=8]"
 
 
 def test_a_kivi_fork_equals_kivi_directly_and_leaves_the_shared_prefill_plain():
@@ -105,16 +105,18 @@ def test_bad_codecs_fail_clearly():
         get_method("kivi", bits=3)
     with pytest.raises(ValueError, match="residual"):
         get_method("kivi", residual=-1)
-    with pytest.raises(ValueError, match="codec itself"):
+    with pytest.raises(ValueError, match="2 or 4 bits"):
+        get_method("snapkv+kivi:bits=3", ratio=0.5)
+    with pytest.raises(ValueError, match="option bits='four' must be a whole number"):
+        get_method("snapkv+kivi:bits=four", ratio=0.5)
+    with pytest.raises(ValueError, match="unknown part 'kiwi'"):
+        get_method("snapkv+kiwi", ratio=0.5)
+    with pytest.raises(ValueError, match="kivi has no option codec"):
         get_method("kivi", codec="kivi")
-    with pytest.raises(ValueError, match="not a codec"):
-        get_method("snapkv", ratio=0.5, codec="snapkv:ratio=0.5")
-    with pytest.raises(ValueError, match="option codec=4 must be text"):
-        get_method("snapkv", ratio=0.5, codec=4)
 
 
 def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypatch):
-    """``omnikv:codec="kivi"``: the layers after a filter layer decode only the entries they select."""
+    """``omnikv+kivi``: the layers after a filter layer decode only the entries they select."""
     from kvcompress.store.codecs import KiviCodec
 
     decoded = []
@@ -122,7 +124,7 @@ def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypa
     monkeypatch.setattr(KiviCodec, "decode", lambda self, arrays, entries: decoded.append(entries.numel()) or original(self, arrays, entries))
     model = tiny_model(seed=6, layers=4)
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
-    method = get_method('omnikv:filters=(1,):recent=8:sinks=2:codec="kivi:group_size=8:residual=8"', budget=24)
+    method = get_method('omnikv:filters=(1,):recent=8:sinks=2+kivi:group_size=8:residual=8', budget=24)
     cache = CompressedCache(model, method)
     with torch.no_grad():
         logits = model(ids, past_key_values=cache).logits

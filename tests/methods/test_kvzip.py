@@ -120,7 +120,7 @@ def test_kvzip_keeps_one_budget_over_layers_and_heads_and_the_bytes_follow():
 def test_kvzip_at_ratio_one_and_uniform_layers_keep_their_sizes():
     model = tiny_model(seed=6)
     ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(2))
-    cache = CompressedCache(model, get_method("kvzip", budget=12, layer_budgets="uniform"))
+    cache = CompressedCache(model, get_method("kvzip+uniform", budget=12))
     model(ids, past_key_values=cache)
     for layer in layers_of(cache):
         assert layer.head_lengths()[0].tolist() == [12, 12]
@@ -164,16 +164,16 @@ SCORERS = {"kvzip": {}, "snapkv": {"window": 8}, "expected_attention": {}}
 def test_threshold_sizes_keep_what_passes_up_to_the_cap_and_the_protected_always(name, tau, cap, seed):
     model = tiny_model(seed=seed)
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(seed))
-    method = get_method(name, ratio=cap, threshold=tau, **SCORERS[name])
+    method = get_method(f"{name}+threshold:tau={tau!r}", ratio=cap, **SCORERS[name])
     shared = CompressedCache.shared(model, [method])
     model(ids, past_key_values=shared)
     forked = shared.fork(method)
     session = shared.session
     for i, layer in enumerate(layers_of(forked)):
         view, context = session.view(i), session.context(i)
-        scores = method.score(view, context)
+        scores = method.score.score(view, context)
         caps = method.row_budgets(context)
-        protected = method.protected(view, context, caps)
+        protected = method.score.protected(view, context, caps)
         expected = torch.minimum(((scores >= tau) | protected).sum(-1), torch.maximum(caps[:, None], protected.sum(-1)))
         assert torch.equal(layer.head_lengths(), expected)
         kept = layer.view().positions[0]
@@ -190,7 +190,7 @@ def test_threshold_sizes_follow_the_content_and_ratio_one_at_zero_is_full(embedd
     held = []
     for text in texts:
         ids = torch.tensor([tokenizer(text).input_ids])
-        cache = CompressedCache(model, get_method("kvzip", ratio=1.0, threshold=0.02), tokenizer=tokenizer)
+        cache = CompressedCache(model, get_method("kvzip+threshold:tau=0.02", ratio=1.0), tokenizer=tokenizer)
         with torch.no_grad():
             model(ids, past_key_values=cache)
         lengths = torch.stack([layer.head_lengths()[0] for layer in layers_of(cache)])  # [layers, heads]
@@ -200,6 +200,6 @@ def test_threshold_sizes_follow_the_content_and_ratio_one_at_zero_is_full(embedd
     assert held[0] != held[1]  # and prompts keep different shares
     small = tiny_model(seed=8)
     ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(5))
-    everything = CompressedCache(small, get_method("kvzip", ratio=1.0, threshold=0.0))
+    everything = CompressedCache(small, get_method("kvzip+threshold:tau=0.0", ratio=1.0))
     out = small.generate(ids, past_key_values=everything, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, small.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))

@@ -81,9 +81,9 @@ def test_one_budget_over_every_layer_and_head(model, gates_dir):
     assert worst_kept >= threshold - 1e-9
 
 
-def test_decoding_keeps_the_total_between_budget_and_budget_plus_buffer(model, gates_dir):
+def test_decoding_keeps_the_total_between_budget_and_budget_plus_slack(model, gates_dir):
     tokenizer = tiny_tokenizer()
-    method = kvc.get_method("retention", budget=10, checkpoint=str(gates_dir), buffer=5)
+    method = kvc.get_method("retention", budget=10, checkpoint=str(gates_dir), slack=5)
     out = kvc.generate(model, tokenizer, _words(60), "w3 w4", method, max_new_tokens=30)
     cache = kvc.CompressedCache(model, method)
     ids = tokenizer(_words(60), return_tensors="pt").input_ids
@@ -209,12 +209,12 @@ def test_the_shipped_checkpoint_is_chosen_by_the_model(model, tmp_path, monkeypa
     method = kvc.get_method("retention", budget=8)
     monkeypatch.setattr(model.config, "_name_or_path", "somewhere/tiny-a")
     method.check_model(model.config)
-    assert method.gates.c.item() == 2.0
+    assert method.score.gates.c.item() == 2.0
     monkeypatch.setattr(model.config, "_name_or_path", "somewhere/tiny-b")
     method.check_model(model.config)  # the same method object on another model takes that model's gates
-    assert method.gates.c.item() == 3.0
+    assert method.score.gates.c.item() == 3.0
     expected = RetentionGates.load(tmp_path / "retention" / "tiny-b")
-    assert all(torch.equal(t, expected.state_dict()[n]) for n, t in method.gates.state_dict().items())
+    assert all(torch.equal(t, expected.state_dict()[n]) for n, t in method.score.gates.state_dict().items())
     out = kvc.generate(model, tiny_tokenizer(), _words(60), "w1", method, max_new_tokens=2)  # runs on them end to end
     assert 0 < out.stats["kr"] < 1.0
 

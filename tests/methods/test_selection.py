@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from common import tiny_model
 import kvcompress as kvc
 from kvcompress.methods import get_method
-from kvcompress.methods.omnikv import OmniKV, filter_layers
-from kvcompress.methods.quest import Quest, page_bounds
+from kvcompress.methods.omnikv import filter_layers
+from kvcompress.methods.quest import page_bounds
 from kvcompress.read import attend_reference, attention_probs, group_queries, read
 from kvcompress.store.slots import SlotPool, SlotTable
 from kvcompress.store.view import Edit
@@ -98,7 +98,7 @@ def quest_select(method, lengths, seed=0, page_size=4, tokens=None):
        sinks=st.integers(0, 5), recent=st.integers(1, 12), seed=st.integers(0, 10**6))
 def test_quest_reads_the_protected_entries_and_the_best_pages_within_budget(lengths, budget, sinks, recent, seed):
     size = 4
-    method = Quest(budget=budget, page_size=size, sinks=sinks, recent=recent)
+    method = get_method("quest", budget=budget, page_size=size, sinks=sinks, recent=recent)
     view, query, select = quest_select(method, lengths, seed, page_size=size)
     if select is None:
         assert all(n <= budget for n in lengths)
@@ -149,7 +149,7 @@ def record_selections(method):
 
 def test_omnikv_layers_after_a_filter_layer_read_its_top_tokens():
     model = tiny_model(layers=5, seed=4)
-    method = OmniKV(budget=20, filters=(1, 3), sinks=2, recent=4)
+    method = get_method("omnikv", budget=20, filters=(1, 3), sinks=2, recent=4)
     calls = record_selections(method)
     cache = kvc.CompressedCache(model, method)
     model.generate(torch.randint(3, 128, (1, 70)), past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
@@ -195,8 +195,8 @@ def test_cr_is_the_entries_read_per_decoding_step_over_the_steps():
 def test_quest_over_a_snapkv_compressed_cache_holds_what_snapkv_keeps():
     model = tiny_model(layers=2)
     ids = torch.randint(3, 128, (1, 80))
-    composed = get_method('quest:compress_with="snapkv:budget=32:window=8":page_size=4', budget=12)
-    assert composed.inner.name == "snapkv"
+    composed = get_method("snapkv:budget=32:window=8+quest:page_size=4:read_budget=12")
+    assert composed.score.name == "snapkv" and composed.label == "snapkv@32[window=8]+quest[read_budget=12,page_size=4]"
     caches = {m: kvc.CompressedCache(model, method) for m, method in
               (("snapkv", get_method("snapkv", budget=32, window=8)), ("composed", composed))}
     for cache in caches.values():
@@ -209,12 +209,16 @@ def test_quest_over_a_snapkv_compressed_cache_holds_what_snapkv_keeps():
 
 
 def test_bad_compositions_fail_clearly():
-    with pytest.raises(ValueError, match="evict or merge"):
-        get_method("quest", budget=8, compress_with="omnikv:budget=4")
-    with pytest.raises(ValueError, match="unknown method"):
-        get_method("quest", budget=8, compress_with="nothing:budget=4")
+    with pytest.raises(ValueError, match="give quest its own read size"):
+        get_method("snapkv+quest", budget=8)
+    with pytest.raises(ValueError, match="for a policy that also evicts"):
+        get_method("quest:read_budget=4", budget=8)
+    with pytest.raises(ValueError, match="unknown part 'nothing'"):
+        get_method("quest+nothing", budget=8)
     with pytest.raises(ValueError, match="close every quote"):
-        get_method('quest:compress_with="snapkv:budget=4', budget=8)
+        get_method('quest:page_size="4', budget=8)
+    with pytest.raises(ValueError, match="acts on what a scorer ranks"):
+        get_method("quest+adaptive", budget=8)
 
 
 def test_selection_in_the_engine_is_per_request_and_equals_the_single_request_cache():
@@ -223,7 +227,7 @@ def test_selection_in_the_engine_is_per_request_and_equals_the_single_request_ca
     model = sharp_model(seed=2, layers=4)
     llm = make_llm(model)
     methods = [get_method("quest", budget=24, page_size=8, recent=8, sinks=2), get_method("omnikv", budget=24, filters=(1,), recent=8),
-               get_method("full"), get_method('quest:compress_with="snapkv:budget=40:window=8"', budget=20, page_size=4, recent=4)]
+               get_method("full"), get_method("snapkv:budget=40:window=8+quest:read_budget=20:page_size=4:recent=4")]
     prompts = prompts_of([64, 90, 41, 120], seed=3)
     params = kvc.SamplingParams(max_tokens=10, ignore_eos=True)
     ids = [llm.add_request(p, params, m) for p, m in zip(prompts, methods)]

@@ -26,7 +26,7 @@ def test_decoding_rolls_the_window_within_budget():
 
 def test_without_rolling_every_decoded_token_stays():
     layer, context, _, _, _ = random_layer(length=30)
-    method = get_method("streamingllm", budget=10, sinks=2, roll=False)
+    method = get_method("streamingllm+static", budget=10, sinks=2)
     layer.compress(method)
     for step in range(30, 45):
         layer.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.tensor([[step]]))

@@ -126,7 +126,7 @@ BAD = [
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "windw": 3, "ratio": 0.5}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "budget": 0}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "snapkv", "ratio": 1.5}}, 400, "kv_compression"),
-    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "quest", "ratio": 0.5, "compress_with": 5}}, 400, "kv_compression"),
+    ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "quest", "ratio": 0.5, "page_size": "four"}}, 400, "kv_compression"),
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "deltakv"}}, 400, "kv_compression"),  # no codec shipped for this tiny model
     # no retention gates are shipped for this tiny model
     ({"model": MODEL_NAME, "prompt": "w1", "kv_compression": {"method": "retention", "budget": 8}}, 400, "kv_compression"),
@@ -180,7 +180,7 @@ def test_concurrent_clients_with_mixed_compression_all_complete(server):
     """24 concurrent chat completions: the default method, Ada-KV 0.25, StreamingLLM budget 128, full, Quest
     (dynamic selection, per request) and Quest over SnapKV, some streamed."""
     kinds = [None, {"method": "adakv", "ratio": 0.25}, {"method": "streamingllm", "budget": 128}, {"method": "full"},
-             {"method": "quest", "budget": 16, "page_size": 4}, {"method": "quest", "ratio": 0.5, "compress_with": "snapkv:ratio=0.5"}]
+             {"method": "quest", "budget": 16, "page_size": 4}, {"method": "snapkv+quest:read_ratio=0.5", "ratio": 0.5}]
     results, errors = {}, []
 
     def client(i):

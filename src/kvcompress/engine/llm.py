@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ..config import Config
 from ..generate import eos_ids
-from ..methods import Method, get_method
+from ..methods import Policy, get_method
 from ..models import load_model, model_facts
 from ..store.slots import PoolExhausted, SlotPool
 from .request import Request, RequestOutput
@@ -78,7 +78,7 @@ class LLM:
 
     # ----- the offline API -------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], sampling_params: SamplingParams | None = None,
-                 method: Method | str | Sequence[Method | str] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 method: Policy | str | Sequence[Policy | str] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt: a string (used as it is: apply the chat template yourself, or use
         ``chat``), a list of strings, or token-id lists. ``method`` is one method (or spec) for all, a list
         with one per prompt, or None (``full``). All prompts are checked before any is started; the outputs
@@ -90,7 +90,7 @@ class LLM:
         return self._run(checked, params, methods, use_tqdm)
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]], sampling_params: SamplingParams | None = None,
-             method: Method | str | Sequence[Method | str] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             method: Policy | str | Sequence[Policy | str] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate a reply to each conversation (one conversation — a list of ``{"role", "content"}`` — or a
         list of them), each put through the tokenizer's chat template with the assistant's turn opened."""
         if isinstance(conversations, Sequence) and conversations and isinstance(conversations[0], dict):
@@ -102,7 +102,7 @@ class LLM:
         checked = [self.check_prompt(self.chat_prompt(conversation), params) for conversation in conversations]
         return self._run(checked, params, methods, use_tqdm)
 
-    def _run(self, checked: list[list[int]], params: SamplingParams, methods: list[Method], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, checked: list[list[int]], params: SamplingParams, methods: list[Policy], use_tqdm: bool) -> list[RequestOutput]:
         self._reset_stats()
         requests = [self._add(ids, params, m, index) for ids, m in zip(checked, methods) for index in range(params.n)]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="request")
@@ -114,7 +114,7 @@ class LLM:
         return [self._output(r) for r in requests]
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-                    method: Method | str | None = None, index: int = 0) -> int:
+                    method: Policy | str | None = None, index: int = 0) -> int:
         """Queue one request (checked first); its id. ``step`` advances it, ``output`` reads it. ``index``
         numbers the answers of one prompt (``n`` > 1: a request each, seeded ``seed + index``)."""
         params = sampling_params or SamplingParams()
@@ -125,7 +125,7 @@ class LLM:
         """A request the engine still knows (running, waiting, or finished and not yet read)."""
         return self._requests.get(request_id)
 
-    def check_fits(self, prompt_ids: list[int], sampling_params: SamplingParams, method: Method) -> None:
+    def check_fits(self, prompt_ids: list[int], sampling_params: SamplingParams, method: Policy) -> None:
         """Refuse a request that could not fit in the pool even alone, or whose method cannot run on this model
         (a clear error, nothing queued)."""
         method.check_model(self.model.config)
@@ -271,14 +271,14 @@ class LLM:
             raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of them, got {prompts!r:.80}")
         return list(prompts)
 
-    def _methods(self, method, count: int) -> list[Method]:
-        if method is None or isinstance(method, Method | str):
+    def _methods(self, method, count: int) -> list[Policy]:
+        if method is None or isinstance(method, Policy | str):
             method = [method] * count
         methods = [get_method("full") if m is None else get_method(m) if isinstance(m, str) else m for m in method]
         if len(methods) != count:
             raise ValueError(f"{len(methods)} methods for {count} prompts: give one method, or one per prompt")
         for m in methods:
-            if not isinstance(m, Method):
+            if not isinstance(m, Policy):
                 raise ValueError(f"method must be a method (kvc.get_method(...)), a spec such as 'snapkv:ratio=0.1', or None; got {m!r}")
             m.check_model(self.model.config)
         return methods
@@ -314,7 +314,7 @@ class LLM:
                              f"{self.max_model_len} positions; shorten the prompt or lower max_tokens")
         return ids
 
-    def _add(self, ids: list[int], params: SamplingParams, method: Method, index: int = 0) -> Request:
+    def _add(self, ids: list[int], params: SamplingParams, method: Policy, index: int = 0) -> Request:
         request = Request(next(self._ids), ids, params, method, index)
         seed = params.seed + index if params.seed is not None else self.config.seed * 1_000_003 + request.id
         request.generator = torch.Generator().manual_seed(seed)

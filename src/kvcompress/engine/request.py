@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..methods import Method
+from ..methods import Policy
 from ..session import Session
 from .sampling import SamplingParams, TokenLogprob
 
@@ -46,7 +46,7 @@ class Request:
     id: int
     prompt_ids: list[int]
     params: SamplingParams
-    method: Method
+    method: Policy
     index: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)

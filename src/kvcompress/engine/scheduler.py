@@ -54,7 +54,7 @@ class Scheduler:
     def _coded(self, request: Request) -> tuple[int, float, int] | None:
         """(entries coded at once, bytes per coded entry, recent entries kept plain) of the request's codec;
         None: plain storage."""
-        storage = request.method.storage(self.pool.dtype)
+        storage = request.method.storage_for(self.pool.dtype)
         if storage is None:
             return None
         codec, recent = storage

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..hf import CompressedCache
 from ..generate import GenerateOutput, answer, build_prompt, check_inputs, prefill
-from ..methods import Method, MethodSpec, get_method
+from ..methods import MethodSpec, Policy, get_method
 from .metrics import score
 from .tasks import BUILTIN_TASKS, MAX_NEW_TOKENS, Sample, load_haystack, load_task_file, make_task
 
@@ -64,7 +64,7 @@ class EvalSettings:
             self.haystack_id = load_haystack(self.haystack).id  # a missing or empty file fails here, before any work
 
 
-def method_grid(settings: EvalSettings) -> list[Method]:
+def method_grid(settings: EvalSettings) -> list[Policy]:
     """``full`` once, then every other method at every budget or ratio (validated up front); adaptive
     methods (``needs_budget = False``, e.g. gvote) choose their own budget and run once, and so does a
     method whose spec carries its own size (``snapkv:budget=16``)."""
@@ -159,7 +159,7 @@ def prediction_key(task: str, sample_id: str, method: str, budget: int | None, r
     return (task, sample_id, method, budget, ratio)
 
 
-def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], todo: list[Method], settings: EvalSettings):
+def _run_sample(model, tokenizer, sample: Sample, grid: list[Policy], todo: list[Policy], settings: EvalSettings):
     """Yield the output of each method of ``todo`` (a part of ``grid``, in its order) on one sample, as each
     finishes. The shared prefill observes for the whole grid, so a resumed run prefills as the first did."""
     prompt = build_prompt(tokenizer, sample.context, sample.question)
@@ -186,7 +186,7 @@ def _run_sample(model, tokenizer, sample: Sample, grid: list[Method], todo: list
         yield out
 
 
-def _prediction(sample: Sample, method: Method, out: GenerateOutput) -> Prediction:
+def _prediction(sample: Sample, method: Policy, out: GenerateOutput) -> Prediction:
     value = score(out.text, sample.answers, sample.metric)
     return Prediction(
         id=sample.id, task=sample.task, method=method.variant, budget=method.budget, ratio=method.ratio,

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..methods import Method, Needs, get_method
+from ..methods import Needs, Policy, get_method
 from ..models import attention_modules, decoder_stack, model_facts, rotary_embedding
 from ..session import Session
 from ..store.slots import SlotPool
@@ -98,7 +98,7 @@ class CompressedCache(Cache):
             the previous context" prompt with it); default: loaded from ``model.config.name_or_path``.
     """
 
-    def __init__(self, model, method: Method | None = None, *, compress_on_prefill: bool = True,
+    def __init__(self, model, method: Policy | None = None, *, compress_on_prefill: bool = True,
                  observation_window: int | None = None, attention_sums: bool | None = None,
                  hidden_stats: bool | None = None, key_pages: int | None = None, hidden_states: bool | None = None,
                  replay: int | None = None, pool: SlotPool | None = None, tokenizer=None):
@@ -135,7 +135,7 @@ class CompressedCache(Cache):
         self.recorder: dict[int, tuple] | None = None  # set to {} to record each layer's next step (diagnose)
 
     @classmethod
-    def shared(cls, model, methods: list[Method], tokenizer=None) -> CompressedCache:
+    def shared(cls, model, methods: list[Policy], tokenizer=None) -> CompressedCache:
         """An uncompressed cache that records what every one of ``methods`` needs, to ``fork`` each from
         one prefill (prefill once, compress many)."""
         needs = Needs()
@@ -155,7 +155,7 @@ class CompressedCache(Cache):
         return seen
 
     @property
-    def method(self) -> Method:
+    def method(self) -> Policy:
         return self.session.method
 
     @property
@@ -215,7 +215,7 @@ class CompressedCache(Cache):
         run_replay(decoder, self.session, self._modules, self._replay_prompts, input_ids)
 
     # ----- prefill once, compress many ----------------------------------------------------
-    def fork(self, method: Method) -> CompressedCache:
+    def fork(self, method: Policy) -> CompressedCache:
         """A copy of this (uncompressed) cache compressed with ``method``; this cache is untouched."""
         method.check_model(self._config)
         twin = copy.copy(self)

@@ -1,34 +1,47 @@
-"""The methods: one file per method, one name per method, registered here in a fixed order.
+"""The methods: policies assembled from parts (parts.py, policy.py), today's method names as presets of
+them (presets.py), and the one parser that turns a spec into a policy (spec.py).
 
-``get_method(spec, budget=... | ratio=..., **options)`` builds a configured method from a name or a
-spec with options (``"keepkv:key_rule=votes:refresh_every=16"``, read by ``MethodSpec``, the one
-parser, in ``spec.py``); ``available_methods()`` lists the names.
+``get_method(spec, budget=... | ratio=..., **options)`` builds a policy from a name or a spec
+(``"keepkv:key_rule=votes"``, ``"kvzip+adaptive+kivi:bits=4"``); ``available_methods()`` lists the
+method names and ``available_parts()`` the parts.
 """
 
 from __future__ import annotations
 
-from .adakv import AdaKV
-from .base import Method, Needs, ScoreMethod
+from . import presets  # noqa: F401  (fills PRESETS)
 from .cam import CaM
 from .d2o import D2O
+from .decoding import Evict, Static
 from .deltakv import DeltaKV
+from .ema import EMAImportance
 from .expected_attention import ExpectedAttention
-from .full import Full
-from .gvote import GVote
+from .fates import Drop
+from .gvote import GVote, Votes
 from .h2o import H2O
 from .keepkv import KeepKV
 from .kivi import KIVI
 from .kvzip import KVzip
 from .momentkv import MomentKV
 from .omnikv import OmniKV
-from .pyramidkv import PyramidKV
+from .parts import Decoding, Fate, Needs, Part, Reads, Scorer, Sizer, Storage
+from .policy import Policy
 from .quest import Quest
 from .retention import Retention
+from .sizers import Adaptive, Global, Pyramid, Threshold, Uniform
 from .snapkv import SnapKV
-from .spec import REGISTRY, MethodSpec, available_methods, get_method, split_method_list
-from .streamingllm import StreamingLLM
+from .spec import PARTS, REGISTRY, MethodSpec, available_methods, available_parts, get_method, split_method_list
+from .streamingllm import Recency
 
-REGISTRY.update({cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, MomentKV, GVote, KeepKV, CaM, D2O,
-                                           OmniKV, Quest, KIVI, DeltaKV, Retention, ExpectedAttention, KVzip)})
+PARTS.update({cls.name: cls for cls in (
+    Recency, H2O, SnapKV, EMAImportance, Votes, KVzip, ExpectedAttention, Retention,  # scorers
+    Uniform, Pyramid, Adaptive, Global, Threshold, GVote,  # sizers
+    Drop, KeepKV, CaM, D2O, MomentKV,  # fates
+    Static, Evict,  # decoding rules
+    Quest, OmniKV,  # read rules
+    KIVI, DeltaKV,  # storage
+)})
 
-__all__ = ["REGISTRY", "Method", "MethodSpec", "Needs", "ScoreMethod", "available_methods", "get_method", "split_method_list"]
+__all__ = ["PARTS", "REGISTRY", "Adaptive", "CaM", "D2O", "Decoding", "DeltaKV", "Drop", "EMAImportance", "Evict", "ExpectedAttention",
+           "Fate", "GVote", "Global", "H2O", "KIVI", "KVzip", "KeepKV", "MethodSpec", "MomentKV", "Needs", "OmniKV", "Part", "Policy",
+           "Pyramid", "Quest", "Reads", "Recency", "Retention", "Scorer", "Sizer", "SnapKV", "Static", "Storage", "Threshold",
+           "Uniform", "Votes", "available_methods", "available_parts", "get_method", "split_method_list"]

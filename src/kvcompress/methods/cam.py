@@ -20,15 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .merging import Merged, MergingMethod, cam_merge
+from .merging import Merge, Merged, cam_merge
 
 
 @dataclass
-class CaM(MergingMethod):
+class CaM(Merge):
     """Attention-weighted value merge into the most similar retained key; keys and logits unchanged, no votes."""
 
     name: ClassVar[str] = "cam"
-    paper: ClassVar[str] = "Zhang et al. 2024, CaM: Cache Merging for Memory-efficient LLMs Inference (ICML)"
+    about: ClassVar[str] = "merge what leaves into the carrier's value by attention, no votes (CaM)"
 
     def merge_rule(self, view, plan, ref, scaling) -> Merged:
         return cam_merge(view.keys, view.values, ref.logits(view.keys, scaling), plan)

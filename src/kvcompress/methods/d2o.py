@@ -27,24 +27,23 @@ from typing import ClassVar
 
 import torch
 
-from .merging import Merged, MergingMethod, d2o_merge
+from .merging import Merge, Merged, d2o_merge
 
 THRESHOLD = "d2o_threshold"  # per batch row, a tuple of floats
 
 
 @dataclass
-class D2O(MergingMethod):
+class D2O(Merge):
     """Similarity-thresholded, similarity-weighted convex merge of keys and values; no votes.
 
-    Options: threshold_decay (β of the moving threshold, 0.9), plus MergingMethod's
-    similarity_threshold (fixed threshold instead of the moving one), sinks, recent,
-    ema_decay, slack and SnapKV's window, kernel, pooling and budget allocations.
+    Options: threshold_decay (β of the moving threshold, 0.9), plus Merge's similarity_threshold (a
+    fixed threshold instead of the moving one) and window.
     """
 
     threshold_decay: float = 0.9
 
     name: ClassVar[str] = "d2o"
-    paper: ClassVar[str] = "Wan et al. 2024, D2O: Dynamic Discriminative Operations for Efficient Generative Inference of LLMs"
+    about: ClassVar[str] = "similarity-weighted convex merge above a moving threshold, no votes (D2O)"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from ..store.deltakv import DeltaKVCodec, DeltaKVWeights
-from .base import Method
+from .parts import Storage
 from .shipped import DATA, check_checkpoint, load_shipped, shipped_checkpoint
 
 SHIPPED = DATA / "deltakv"  # one folder per model with a shipped checkpoint
@@ -19,14 +19,14 @@ EMBEDDED = "smollm2-135m-instruct"
 
 
 @dataclass
-class DeltaKV(Method):
+class DeltaKV(Storage):
     """DeltaKV (seed 004): references every ``stride`` tokens and the sinks stay raw; every other token
     keeps z = f_c(x) − f_c(mean of its 4 nearest earlier references) (the shipped codecs: half the
     token's width in 4 bits; the paper's: a quarter in 16) and is rebuilt as f_d(z) + mean on read
     (RoPE re-applied); the newest tokens stay raw and are coded ``chunk`` at a time (METHODS.md
-    "DeltaKV"). Nothing is evicted: kr falls with the stride and the code width, cr stays 1. As
-    ``codec="deltakv"`` of a method that keeps every entry (OmniKV, Quest), only the entries that
-    method reads are rebuilt.
+    "DeltaKV"). Nothing is evicted: kr falls with the stride and the code width, cr stays 1. As the
+    storage of a policy that keeps every entry (``omnikv+deltakv``, ``quest+deltakv``), only the entries
+    each step reads are rebuilt.
 
     Options:
         checkpoint: a folder from ``kvcompress train deltakv`` (None: the one shipped for the model).
@@ -35,8 +35,6 @@ class DeltaKV(Method):
         full_layers: layers left uncoded (the paper's hybrid layers; None: the checkpoint's choice).
         recent: newest tokens per layer kept raw (32).
         chunk: new tokens between two coding passes while decoding (32).
-
-    It takes no ``budget``/``ratio``: the stride, the code width and the hybrid layers set its size.
     """
 
     checkpoint: str | None = None
@@ -46,15 +44,11 @@ class DeltaKV(Method):
     chunk: int = 32
 
     name: ClassVar[str] = "deltakv"
-    paper: ClassVar[str] = "DeltaKV: residual-based KV cache compression (with Sparse-vLLM, seeds/004)"
-    needs_budget: ClassVar[bool] = False
-    keeps_every_entry: ClassVar[bool] = True
+    about: ClassVar[str] = "learned residual codes against nearby reference tokens (DeltaKV)"
     sizes_itself: ClassVar[str] = "it keeps every token, and its stride and code width set the bytes held"
+    codes_tokens: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.codec is not None:
-            raise ValueError("deltakv is a codec itself: give its options directly (deltakv:bits=4), not codec=")
-        super().__post_init__()
         if self.bits not in (None, 4):
             raise ValueError(f"deltakv: bits must be None (codes in the model's dtype) or 4, got {self.bits!r}")
         if self.recent < 0 or self.chunk < 1:
@@ -89,6 +83,6 @@ class DeltaKV(Method):
     def layers_left_full(self) -> tuple[int, ...]:
         return tuple(self.full_layers) if self.full_layers is not None else tuple(self.weights.about.get("full_layers", ()))
 
-    def storage(self, dtype: torch.dtype = torch.float32) -> tuple[DeltaKVCodec, int]:
+    def storage(self, dtype: torch.dtype) -> tuple[DeltaKVCodec, int]:
         """DeltaKV's codec and its raw recent tokens."""
         return DeltaKVCodec(self.weights, self.bits, self.layers_left_full(), self.chunk), self.recent

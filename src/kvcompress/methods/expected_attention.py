@@ -23,13 +23,13 @@ rotated back at its own position with the model's rotary embedding (``context.ro
 q = (q_rot·cos − rotate_half(q_rot)·sin) / (cos² + sin²), exact for transformers' layout (the
 division undoes a rotary ``attention_scaling``). On Qwen3 these are the queries after the per-head
 q-norm, as kvpress's. R̄ uses transformers' ``q·cos + rotate_half(q)·sin`` with cos and sin averaged
-over the future positions (GVote's ``averaged_rotary`` / ``apply_rotary``), which is kvpress's
+over the future positions (``rotary.py``, shared with GVote), which is kvpress's
 averaged matrix cos·I + sin·P.
 
 Checked against kvpress 0.5.4 (``kvpress/presses/expected_attention_press.py``), whose defaults
 these are: ``n_future_positions=512`` (``future``), ``n_sink=4`` (``sinks``), ``use_covariance=True``,
 ``use_vnorm=True``, ``epsilon=0.0`` (kvpress's evaluation registry runs it as
-``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``: ``epsilon=0.01, head_budgets="adaptive"`` here).
+``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``: ``expected_attention:epsilon=0.01+adaptive`` here).
 Where this differs from kvpress's code:
 
 * kvpress projects every prompt hidden state but the first ``n_sink`` through W_q; this rotates
@@ -39,7 +39,7 @@ Where this differs from kvpress's code:
 * the future positions start after each row's last real position (kvpress: after ``q_len``, the
   same for an unpadded row).
 * kvpress drops the ``n_sink`` first keys before the softmax and pads their scores with the
-  maximum + 1; here they are protected (``ScoreMethod.sinks``) and likewise left out of the softmax.
+  maximum + 1; here they are protected (the scorer's ``sinks``) and likewise left out of the softmax.
 * ``window=None`` asks the prefill to record every query (``Needs.window`` = MAX_BUDGET): a
   shared prefill (``CompressedCache.shared``) then records them for every method it serves.
 """
@@ -52,8 +52,10 @@ from typing import ClassVar
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .base import MAX_BUDGET, Needs, ScoreMethod, sink_mask
-from .gvote import apply_rotary, averaged_rotary
+from .budget import MAX_BUDGET
+from .parts import Needs, Scorer
+from .rotary import apply_rotary, averaged_rotary
+from .selection import sink_mask
 
 STATS_CHUNK = 2048  # queries rotated back at a time (bounds the float32 copies of a long prompt)
 
@@ -116,14 +118,14 @@ def expected_log_weights(mean: torch.Tensor, cov: torch.Tensor | None, keys: tor
 
 
 @dataclass
-class ExpectedAttention(ScoreMethod):
+class ExpectedAttention(Scorer):
     """Attention expected from future queries modelled as Gaussians (see the module docstring).
 
     Options: window (the last prompt queries whose statistics model the future ones; None = every
     prompt query but the sinks, kvpress's), future (positions whose RoPE rotation is averaged, 512),
     use_covariance (the τ²kᵀΣk/2 term), use_vnorm (weigh by the value's norm), epsilon (added to the
-    attention before the value-norm weighting), plus ScoreMethod's sinks (4, kvpress's ``n_sink``:
-    protected, and left out of the statistics and the normalisation), chunk_size and allocations.
+    attention before the value-norm weighting), plus sinks (4, kvpress's ``n_sink``: protected, and left
+    out of the statistics and the normalisation) and chunk_size.
     """
 
     window: int | None = None
@@ -134,8 +136,7 @@ class ExpectedAttention(ScoreMethod):
     sinks: int = 4
 
     name: ClassVar[str] = "expected_attention"
-    paper: ClassVar[str] = ("Devoto et al. 2025, Expected Attention: KV Cache Compression by Estimating Attention from "
-                            "Future Queries Distribution (kvpress's ExpectedAttentionPress)")
+    about: ClassVar[str] = "attention expected from future queries modelled as Gaussians (Expected Attention)"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -31,30 +31,28 @@ Choices the paper leaves open (named options, see ``GVote``):
   keep-set grows monotonically with S for a fixed seed).
 * the listing keeps no sinks or recent window: neither does this (the union is the keep-set).
 
-``moment_correction=True`` composes GVote's keep-set with MomentKV's normalization
-correction: the entries GVote drops are folded into MomentKV's running moments and merged
-into every read through log-sum-exp (seeds/000; the layer's summary). Their bytes count in kr.
-``select_with="momentkv"`` (or another score, moment or merging method) makes GVote a budget
-source: that method chooses the entries, through its ``compress(..., sizes=...)``, under
-GVote's per-head sizes (plus its own protected window and sinks). ``include_current=True`` lets ``q_0`` vote
-beside the samples (not in the paper). On SmolLM2 GVote keeps too little of a needle for the
-retrieval tasks; see docs/results.md.
+Here GVote is a sizer (``GVote``: each head's size is its union's) and a scorer (``Votes``: an entry scores
+1 when voted, so the union is what the head keeps); the ``gvote`` preset puts both together. Other
+compositions: ``gvote+momentkv`` folds what GVote drops into MomentKV's moments, merged into every
+read (seeds/000; their bytes count in kr); ``momentkv+gvote+static`` (or ``snapkv+gvote``,
+``keepkv+gvote+static``...) lets another scorer choose the entries under GVote's per-head sizes (plus its
+own protected window and sinks). A self-sized policy does not evict while decoding. ``include_current=True``
+lets ``q_0`` vote beside the samples (not in the paper). On SmolLM2 GVote keeps too little of a needle for
+the retrieval tasks; see docs/results.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import ClassVar
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
 
 from ..read import attention_probs, group_queries
 from ..store.view import Edit
-from .base import Method, Needs, ScoreMethod
-from .momentkv import MOMENTS, Moments
-from .spec import REGISTRY, get_method
+from .parts import Needs, Scorer, Sizer
+from .rotary import apply_rotary, averaged_rotary
+from .selection import PROTECTED_PRIORITY, plus_protected
 
 STATE = "gvote"
 
@@ -111,19 +109,6 @@ def project_queries(module: torch.nn.Module, hidden: torch.Tensor, head_dim: int
     return q.transpose(1, 2).float()
 
 
-def averaged_rotary(rotary: torch.nn.Module, start: torch.Tensor, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, d] float32 averaged over positions ``start[b] … start[b] + count − 1`` (the model's own rotary)."""
-    positions = start.long().to(like.device)[:, None] + torch.arange(count, device=like.device)[None, :]
-    cos, sin = rotary(like.float(), positions)
-    return cos.float().mean(dim=1), sin.float().mean(dim=1)
-
-
-def apply_rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' RoPE, ``q·cos + rotate_half(q)·sin``, for q [B, Hq, S, d] and cos/sin [B, d]."""
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-    return q * cos + rotate_half(q) * sin
-
-
 def union_votes(logits: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     """Keep mask [B, H, L] from vote logits [B, H, G, S, L] (-inf = not an entry) and budgets [B, H, G].
 
@@ -147,8 +132,8 @@ def generator_for(seed: int, layer_idx: int) -> torch.Generator:
 
 
 @dataclass
-class GVote(Method):
-    """Adaptive budgets by Gaussian-sampled future queries (see the module docstring).
+class GVote(Sizer):
+    """Adaptive sizes by Gaussian-sampled future queries (see the module docstring).
 
     Options:
         p_nuc: nucleus mass that sets each query head's step budget from q_0 (0.95, the
@@ -156,63 +141,36 @@ class GVote(Method):
         samples: S, sampled future queries per layer (8: the paper finds S ≥ 8 a good compromise).
         future: n_f, future positions whose RoPE cos/sin are averaged (32; the paper gives none).
         seed: seeds the samples (with the layer index); equal seeds give identical keep-sets.
-        moment_correction: keep MomentKV's moments of the dropped entries and merge them into
-            every read (composition with MomentKV's correction; off = the paper's GVote).
         include_current: the last real query q_0 votes beside the samples, so its top-p set
             is kept (off = the paper: q_0 only sets the step budgets).
-        select_with: GVote as a budget source: another method (a score, merging or moment
-            method, default options) chooses which entries each KV head keeps, with GVote's
-            per-head sizes — e.g. "momentkv" (its eviction and correction), "snapkv", "keepkv".
-            None = GVote's own union of votes (the paper). Only the prefill is affected:
-            decoding runs as GVote's (no eviction), with the selector's votes or moments in place.
 
-    ``budget``/``ratio`` are refused: the method chooses its own budget.
+    A policy sized by GVote takes no budget or ratio.
     """
 
     p_nuc: float = 0.95
     samples: int = 8
     future: int = 32
     seed: int = 0
-    moment_correction: bool = False
-    select_with: str | None = None
     include_current: bool = False
 
     name: ClassVar[str] = "gvote"
-    paper: ClassVar[str] = "GVote: adaptive KV-cache compression by Gaussian-sampled query voting (seeds/003)"
-    needs_budget: ClassVar[bool] = False
+    about: ClassVar[str] = "each head keeps the union of Gaussian-sampled future queries' votes (GVote)"
     sizes_itself: ClassVar[str] = "it chooses its own budget per request and KV head"
 
     def __post_init__(self) -> None:
-        if self.budget is not None or self.ratio is not None:
-            raise ValueError(
-                "gvote chooses its own budget per request and KV head: do not give budget= or ratio= "
-                "(p_nuc and samples set how much it keeps)."
-            )
         if not 0.0 < float(self.p_nuc) <= 1.0:
             raise ValueError(f"p_nuc must be in (0, 1], got {self.p_nuc!r}")
         if self.samples < 1 or self.future < 1:
             raise ValueError(f"samples and future must be ≥ 1, got samples={self.samples}, future={self.future}")
-        if self.select_with is not None and self.moment_correction:
-            raise ValueError("choose one: moment_correction (GVote's keep-set + moments) or select_with")
-        _ = self.selector  # an unusable select_with fails here, not at the first prefill
 
-    @cached_property
-    def selector(self) -> Method | None:
-        """The method that picks entries under GVote's sizes (``select_with``), or None."""
-        if self.select_with is None:
-            return None
-        cls = REGISTRY.get(self.select_with.strip().lower())
-        if cls is None or not _takes_sizes(cls):
-            usable = sorted(n for n, c in REGISTRY.items() if _takes_sizes(c))
-            raise ValueError(f"select_with={self.select_with!r} cannot take GVote's sizes; use one of {', '.join(usable)}")
-        return get_method(cls.name, ratio=1.0)  # the size placeholder is never used: GVote's sizes replace it
-
-    def stats(self, states, counts) -> dict:
-        return {} if self.selector is None else self.selector.stats(states, counts)  # its merge counts and errors
+    def check(self, policy) -> None:
+        super().check(policy)
+        if policy.decoding.acts:
+            raise ValueError(f"{policy.name}: gvote sizes the prompt only, and the policy evicts while decoding; add "
+                             "+static (the prompt compressed once, every later token kept)")
 
     def needs(self) -> Needs:
-        own = Needs(window=1, hidden_stats=True)
-        return own if self.selector is None else own.union(self.selector.needs())
+        return Needs(window=1, hidden_stats=True)
 
     # ----- the steps on a layer -------------------------------------------------------------
     def step_budgets(self, view, context) -> torch.Tensor:
@@ -251,41 +209,52 @@ class GVote(Method):
         return union_votes(logits, budgets), budgets
 
     @torch.no_grad()
-    def compress(self, view, context, sizes=None) -> Edit:
+    def prepare(self, view, context) -> None:
+        """The union of votes of every head (``view.channels[VOTES]``, for the Votes scorer) and the step budgets."""
         if int(context.tokens_seen.max()) < 2:  # one token: no statistics to sample queries from, and nothing to gain
             context.note("gvote: a one-token prompt is kept whole")
-            keep = view.valid_or_ones()
-            edit = Edit(keep=keep)
-            edit.state[STATE] = GVoteAllocation(step_budgets=torch.zeros(view.shape[0], 0, dtype=torch.long),
-                                                kept=keep.sum(dim=-1).cpu())
-            return edit
+            view.channels[VOTES] = view.valid_or_ones()
+            view.channels[STEP_BUDGETS] = torch.zeros(view.shape[0], 0, dtype=torch.long)
+            return
         keep, budgets = self.keep_mask(view, context)
-        if self.selector is not None:
-            edit = self.selector.compress(view, context, keep.sum(dim=-1).cpu())
-            kept = edit.keep.sum(dim=-1).cpu()
-        else:
-            edit = self._fold_dropped(view, keep) if self.moment_correction else Edit(keep=keep)
-            kept = (keep & view.valid_or_ones()).sum(dim=-1).cpu()
-        edit.state[STATE] = GVoteAllocation(step_budgets=budgets.reshape(view.shape[0], -1).cpu(), kept=kept)
+        view.channels[VOTES] = keep
+        view.channels[STEP_BUDGETS] = budgets.reshape(view.shape[0], -1).cpu()
         context.note("gvote: budget chosen per request and KV head (see entries_per_head)")
-        return edit
 
-    def _fold_dropped(self, view, keep: torch.Tensor) -> Edit:
-        moments = Moments.empty(view.shape[0], view.shape[1], view.keys.shape[-1], view.keys.device)
-        moments = moments.add(view.keys, view.values, view.valid_or_ones() & ~keep)
-        return Edit(keep=keep, summary=moments, state={MOMENTS: moments})
+    def layer_budgets(self, budgets, view, context) -> torch.Tensor:
+        """The largest union of each row (what a scorer's protected set may depend on)."""
+        return view.channels[VOTES].sum(dim=-1).amax(dim=-1).cpu()
+
+    def per_head(self, key, budgets, view, context) -> torch.Tensor:
+        """Each head's union size, plus the scorer's protected entries."""
+        return plus_protected(view.channels[VOTES].sum(dim=-1), key >= PROTECTED_PRIORITY, view.lengths)
+
+    def record(self, edit: Edit, view, context) -> None:
+        kept = (edit.keep & view.valid_or_ones()).sum(dim=-1).cpu() if edit.keep is not None else view.lengths.cpu()
+        edit.state[STATE] = GVoteAllocation(step_budgets=view.channels[STEP_BUDGETS], kept=kept)
 
 
-def _takes_sizes(cls) -> bool:
-    """Methods that can keep entries under sizes chosen elsewhere: budgeted ones that score entries."""
-    return cls.needs_budget and issubclass(cls, ScoreMethod)
+@dataclass
+class Votes(Scorer):
+    """An entry scores 1 when some sampled query voted for it, else 0 (the ``gvote`` sizer's union; no sinks)."""
 
+    name: ClassVar[str] = "votes"
+    about: ClassVar[str] = "1 for the entries GVote's sampled queries vote for (use with +gvote)"
+
+    def check(self, policy) -> None:
+        if not isinstance(policy.sizes, GVote):
+            raise ValueError("the votes scorer reads the gvote sizer's votes: use it with +gvote")
+
+    def score(self, view, context) -> torch.Tensor:
+        return view.channels[VOTES].float()
+
+
+VOTES, STEP_BUDGETS = "gvote_votes", "gvote_step_budgets"
 
 __all__ = [
     "GVote",
     "GVoteAllocation",
-    "apply_rotary",
-    "averaged_rotary",
+    "Votes",
     "generator_for",
     "nucleus_budgets",
     "project_queries",

@@ -1,8 +1,8 @@
-"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs").
+"""H2O's scorer (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs").
 
 Score σ_j = Σ_i a_ij, the attention every query so far paid to entry j (mean over the GQA
 group); keep the top B − R by score plus the R most recent (METHODS.md, "H2O"). While
-decoding, each new query's weights are added to σ and the lowest entries are evicted
+decoding each new query's weights are added to σ; the ``h2o`` preset evicts the lowest entries
 whenever a head holds more than the budget, so the cache never grows past it.
 """
 
@@ -13,25 +13,26 @@ from typing import ClassVar
 
 import torch
 
-from ..store.view import Edit
-from .base import Needs, ScoreMethod, recent_mask, sink_mask
+from .parts import Needs, Scorer
+from .selection import recent_mask, sink_mask
 
 SCORE = "h2o_score"
 
 
 @dataclass
-class H2O(ScoreMethod):
-    """Heavy hitters by accumulated attention + a recent window; evicts while decoding.
+class H2O(Scorer):
+    """Accumulated attention (heavy hitters) + a recent window.
 
-    Options: recent_ratio (share R/B of the budget given to the most recent tokens, 0.5 as
-    in the paper's equal split), plus ScoreMethod's sinks and chunk_size.
+    Options: recent_ratio (share R/B of the budget given to the most recent tokens, 0.5 as in the
+    paper's equal split), plus sinks and chunk_size.
     """
 
     recent_ratio: float = 0.5
 
     name: ClassVar[str] = "h2o"
-    paper: ClassVar[str] = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs"
-    evict_while_decoding: ClassVar[bool] = True
+    about: ClassVar[str] = "attention accumulated over every query so far, plus a recent window (H2O)"
+    channels: ClassVar[tuple[str, ...]] = (SCORE,)
+    changes_while_decoding: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,11 +42,8 @@ class H2O(ScoreMethod):
     def needs(self) -> Needs:
         return Needs(attention_sums=True)
 
-    def compress(self, view, context, sizes=None) -> Edit:
+    def prepare(self, view, context) -> None:
         view.channels[SCORE] = context.observations["attention_sums"]  # the prefill's sums become the running score
-        edit = super().compress(view, context, sizes)
-        edit.channels[SCORE] = view.channels[SCORE]
-        return edit
 
     def score(self, view, context) -> torch.Tensor:
         return view.channels[SCORE]
@@ -57,8 +55,8 @@ class H2O(ScoreMethod):
     def wants_col_sums(self, context) -> bool:
         return True
 
-    def decode_step(self, view, context, col_sums) -> Edit:
+    def observe_step(self, view, context, col_sums) -> None:
         view.channels[SCORE] = view.channels[SCORE] + col_sums  # this step's attention, mean over the group
-        edit = super().decode_step(view, context, col_sums) or Edit()
-        edit.channels[SCORE] = view.channels[SCORE]
-        return edit
+
+
+__all__ = ["H2O", "SCORE"]

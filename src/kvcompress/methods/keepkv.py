@@ -8,7 +8,8 @@ candidate into its carrier so that the reference query's output is unchanged (ME
 "KeepKV"): with λ_i = τ·q̄ᵀk_i and log w_i = log p_i + λ_i,
 v_r = Σ w_i v_i / Σ w_i, k_r = (Σ w_i k_i)·log(Σ w_i / Σ p_i) / Σ w_i λ_i, p_r = Σ p_i.
 
-Protocol (Algorithm 1 of the paper; the shared machinery is ``merging.MergingMethod``):
+Protocol (Algorithm 1 of the paper; the ``keepkv`` preset: the EMA scorer of ``ema.py``, this fate, eviction
+while decoding; the shared machinery is ``merging.Merge``):
 
 * Prefill: importance = the bias-corrected EMA of the observation window's attention
   (mean over the GQA group; Alg. 1 step 4), SnapKV-pooled for the selection; sinks and the
@@ -57,7 +58,8 @@ from typing import ClassVar
 import torch
 
 from ..store.view import Edit, KVView, edited_entries
-from .merging import EMA, EMA_NORM, KEY_RULES, Merged, MergingMethod, log_votes_of, window_query_valid, zip_merge
+from .ema import EMAImportance, window_query_valid
+from .merging import KEY_RULES, Merge, Merged, log_votes_of, zip_merge
 
 EXTERNAL = "external_kv"
 
@@ -102,14 +104,13 @@ class ExternalKV:
 
 
 @dataclass
-class KeepKV(MergingMethod):
-    """Electoral votes + ZIP-merging, EMA importance, optional periodic refresh (see the module docstring).
+class KeepKV(Merge):
+    """Electoral votes + ZIP-merging, optional periodic refresh (see the module docstring).
 
     Options: key_rule ("zip", "votes" or "shift"), max_key_scale (the zip key's largest
     scale factor before the group falls back to the votes rule, 1.25; inf = the paper),
-    refresh_every (T decoded tokens between refreshes, 0 = off), plus
-    MergingMethod's sinks, recent, ema_decay, similarity_threshold, slack and SnapKV's
-    window, kernel, pooling and budget allocations.
+    refresh_every (T decoded tokens between refreshes, 0 = off; needs the EMA scorer), plus
+    Merge's window and similarity_threshold.
     """
 
     key_rule: str = "zip"
@@ -117,7 +118,7 @@ class KeepKV(MergingMethod):
     refresh_every: int = 0
 
     name: ClassVar[str] = "keepkv"
-    paper: ClassVar[str] = "Tian et al. 2025, KeepKV: Achieving Periodic Lossless KV Cache Compression for Efficient LLM Inference"
+    about: ClassVar[str] = "merge what leaves with electoral votes, exact for the reference query (KeepKV)"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,6 +126,11 @@ class KeepKV(MergingMethod):
             raise ValueError(f"unknown key_rule {self.key_rule!r}: use one of {', '.join(KEY_RULES)}")
         if not self.max_key_scale >= 1.0 or self.refresh_every < 0:
             raise ValueError("max_key_scale must be ≥ 1 (inf for the paper's unbounded rule) and refresh_every ≥ 0")
+
+    def check(self, policy) -> None:
+        if self.refresh_every and not isinstance(policy.score, EMAImportance):
+            raise ValueError("keepkv: refresh_every rebuilds the EMA importance from the last queries: use it with the ema "
+                             "scorer (the keepkv preset)")
 
     def merge_rule(self, view, plan, ref, scaling) -> Merged:
         return zip_merge(view.keys, view.values, log_votes_of(view), ref.logits(view.keys, scaling), plan, query=ref.query,
@@ -143,8 +149,8 @@ class KeepKV(MergingMethod):
 
     # ----- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
-    def compress(self, view, context, sizes=None) -> Edit:
-        edit = super().compress(view, context, sizes)
+    def evict(self, policy, view, context, ranking, per_head, budgets) -> Edit:
+        edit = super().evict(policy, view, context, ranking, per_head, budgets)
         if self.refresh_every:
             edit.state.update(self._external_state(self._external(view, context)))
         return edit
@@ -167,19 +173,18 @@ class KeepKV(MergingMethod):
 
     # ----- decoding --------------------------------------------------------------------------
     @torch.no_grad()
-    def decode_step(self, view, context, col_sums) -> Edit:
+    def decode(self, policy, view, context, col_sums, budgets, slack) -> Edit | None:
         if not (self.refresh_every and EXTERNAL in context.state):
-            return super().decode_step(view, context, col_sums)
-        self.update_importance(view, context, col_sums)
+            return super().decode(policy, view, context, col_sums, budgets, slack)
         q = context.query.shape[2]
         ext = context.state[EXTERNAL].with_step(*self._new_entries(view, q), context.query_positions, context.query, self.window)
         before = context.state.get("decode_tokens", 0)
         state = {**self._external_state(ext), "decode_tokens": before + q}
         if (before + q) // self.refresh_every > before // self.refresh_every:
-            edit = self.refresh(view, context, ext)
+            edit = self.refresh(policy, view, context, ext, budgets)
             state["refreshes"] = context.state.get("refreshes", 0) + 1
         else:
-            edit = self.merge_over_budget(view, context) or Edit(channels={EMA: view.channels[EMA], EMA_NORM: view.channels[EMA_NORM]})
+            edit = super().decode(policy, view, context, col_sums, budgets, slack) or Edit()
         edit.state = {**edit.state, **state}
         return edit
 
@@ -191,16 +196,19 @@ class KeepKV(MergingMethod):
         index = index[..., None].expand(-1, -1, -1, view.keys.shape[-1])
         return view.keys.gather(2, index), view.values.gather(2, index)
 
-    def refresh(self, view, context, ext: ExternalKV) -> Edit:
+    def refresh(self, policy, view, context, ext: ExternalKV, budgets: torch.Tensor) -> Edit:
         """Rebuild the layer from the external K/V: every token seen, votes 1, then compress as at prefill
-        with the last ``window`` queries (current scores) to the current budget."""
+        with the last ``window`` queries (current scores) to the current size."""
         device = view.keys.device
         keys, values, positions, valid = ext.entries(device)
         b, h, t, _ = keys.shape
         rebuilt = KVView.of(keys.to(view.keys.dtype), values.to(view.values.dtype), positions[:, None, :].expand(b, h, t),
                             valid[:, None, :].expand(b, h, t))
-        edit = self.compress_from_window(rebuilt, context, ext.queries.to(device), ext.query_positions.to(device),
-                                         ext.query_valid.to(device), self.decode_budget(context))
+        window = (ext.queries.to(device), ext.query_positions.to(device), ext.query_valid.to(device))
+        policy.score.start_from(rebuilt, *window, context.scaling)
+        ranking = policy.score.ranking(rebuilt, context, budgets)
+        per_head = policy.sizes.per_head(ranking.key, budgets, rebuilt, context)
+        edit = self.merge_from_window(rebuilt, context, window, ranking, per_head)
         return Edit(replace=edited_entries(rebuilt, edit), state=edit.state)
 
 

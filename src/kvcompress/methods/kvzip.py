@@ -7,8 +7,8 @@ softmax taken over everything the query sees (METHODS.md, "KVzip"). The score as
 one compressed prompt serves any later question. Long prompts are replayed in chunks of ``chunk``
 tokens, each chunk's queries attending to the whole prompt and to the chunk (``hf/replay.py``): one
 more pass over the prompt (measured here at 4.0× a prefill at 2k tokens, its attention being the
-float32 one that materialises every weight). The lowest scores leave; by default the ranking is one over
-every layer and head (the paper's non-uniform budgets: each head keeps its own share), ``sinks``
+float32 one that materialises every weight). The lowest scores leave; the ``kvzip`` preset ranks once over
+every layer and head (+global, the paper's non-uniform budgets: each head keeps its own share), ``sinks``
 first tokens always kept.
 """
 
@@ -19,24 +19,21 @@ from typing import ClassVar
 
 import torch
 
-from .base import Needs, ScoreMethod
+from .parts import Needs, Scorer
 
 
 @dataclass
-class KVzip(ScoreMethod):
-    """Entries scored by the attention a replay of the prompt pays them; one ranking over layers and heads.
+class KVzip(Scorer):
+    """Entries scored by the attention a replay of the prompt pays them.
 
-    Options: chunk (prompt tokens per replay chunk, 2048 as kvpress), plus ScoreMethod's sinks (4),
-    layer_budgets ("global" by default: one budget over every layer and head; "uniform" ranks each
-    layer alone, as kvpress's ``layerwise=True``), head_budgets and chunk_size.
+    Options: chunk (prompt tokens per replay chunk, 2048 as kvpress), plus sinks (4) and chunk_size.
     """
 
     sinks: int = 4
-    layer_budgets: str = "global"
     chunk: int = 2048
 
     name: ClassVar[str] = "kvzip"
-    paper: ClassVar[str] = "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
+    about: ClassVar[str] = "the most attention a replay of the prompt pays each entry (KVzip)"
 
     def __post_init__(self) -> None:
         super().__post_init__()

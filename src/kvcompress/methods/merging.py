@@ -3,8 +3,8 @@
 Shared by KeepKV (votes + ZIP-merging), CaM and D2O (convex merges without votes), so that
 the three differ only in their merge rule (METHODS.md, "KeepKV" and "Merging baselines"):
 
-    importance (EMA of attention) → keep set under the budget (sinks and the recent window
-    protected) → candidates = the rest → carrier = the most cosine-similar retained key
+    a scorer's ranking (the presets: ``ema.py``'s EMA of attention) → keep set under the size (its
+    protected entries: sinks and the recent window) → candidates = the rest → carrier = the most cosine-similar retained key
     outside sinks and the recent window → optional similarity threshold (below: dropped)
     → merge rule on each group {carrier} ∪ {its candidates} → one ``Edit`` (carriers rewritten,
     votes and importance as channels, the rest dropped)
@@ -18,9 +18,9 @@ The pieces are plain tensor functions on the layer's padded view [B, H, L, ...]:
   overflows (float64): every merge rule is built from them;
 * ``zip_merge`` (KeepKV), ``cam_merge``, ``d2o_merge``: the rules, computed at the carriers only
   (their results are the carriers' new entries, in ``tensor[plan.carriers]`` order);
-* ``MergingMethod``: the skeleton above, for prefill and decoding (EMA importance with
-  bias correction, decoding-time merging when a head exceeds its budget) and the
-  relative error of the reference query right after compression (``merge_error``).
+* ``Merge``: the fate above, for prefill and decoding (merging when a head exceeds its size)
+  and the relative error of the reference query right after compression (``merge_error``);
+  ``KeepKV``, ``CaM`` and ``D2O`` (their files) give it a rule.
 
 A merge is computed for one reference query per KV head (q̄: the observation window's
 queries averaged over the GQA group and the window at prefill; the current query averaged
@@ -32,19 +32,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..read import attend_reference, attention_probs, group_queries
-from ..read.reference import masked_logits
+from ..read import attend_reference, group_queries
 from ..store.view import UNCHANGED, Edit, KVView, LayerContext, Rewrite
-from .base import Needs, plus_protected, pool_scores, priority, recent_mask, sink_mask, top_per_head
-from .snapkv import SnapKV
-
-EMA = "merge_ema"  # channel: the EMA of the attention an entry received, S_i (not bias-corrected)
-EMA_NORM = "merge_ema_norm"  # channel: the EMA of ones over the same updates, 1 − α^{n_i} (bias correction)
+from .ema import EMA, EMA_NORM, EMAImportance, prefill_window
+from .parts import Fate, Needs
+from .selection import priority, top_per_head
 
 
 # ----- references -------------------------------------------------------------------------------
@@ -58,13 +54,6 @@ class Reference:
     def logits(self, keys: torch.Tensor, scaling: float) -> torch.Tensor:
         """λ_i = τ·q̄ᵀk_i for keys [B, H, L, d]: [B, H, L] float64."""
         return torch.einsum("bhd,bhld->bhl", self.query.double(), keys.double()) * scaling
-
-
-def window_query_valid(queries: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, w] bool: which of the last w prefill queries are real tokens (rows are left-padded)."""
-    w = queries.shape[2]
-    column = torch.arange(w, device=queries.device)
-    return column[None, :] >= (w - tokens.to(queries.device))[:, None]
 
 
 def window_reference(view: KVView, queries: torch.Tensor, query_valid: torch.Tensor) -> Reference:
@@ -306,73 +295,31 @@ def d2o_merge(keys: torch.Tensor, values: torch.Tensor, plan: MergePlan) -> Merg
     return Merged(keys=means[:, :d].to(keys.dtype), values=means[:, d:].to(values.dtype))
 
 
-# ----- EMA importance ----------------------------------------------------------------------------
-def ema_over_queries(
-    s: torch.Tensor, norm: torch.Tensor, probs: torch.Tensor, query_positions: torch.Tensor,
-    key_positions: torch.Tensor, key_valid: torch.Tensor | None, decay: float, query_valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold each query's attention (probs [B, H, q, L], mean over the group) into the EMA, in order:
-    S ← αS + (1 − α)a for every query that sees an entry, and the bias-correction weight alike.
-
-    An entry is updated only by queries that see it (causality by position, real queries), so
-    every entry's bias correction 1 − α^{n_i} counts its own updates. The q steps are summed in
-    closed form: queries come in position order and padding queries before real ones (a
-    left-padded row), so once a query sees an entry every later one does, and query j's term is
-    (1 − α)·α^{q−1−j}·a_j while the old S decays by α^{n_i}.
-    """
-    visible = key_positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H, q, L]
-    if key_valid is not None:
-        visible = visible & key_valid[:, :, None, :]
-    if query_valid is not None:
-        visible = visible & query_valid.to(visible.device)[:, None, :, None]
-    q = probs.shape[2]
-    weight = (1 - decay) * decay ** torch.arange(q - 1, -1, -1, dtype=torch.float32, device=probs.device)  # [q]
-    kept = torch.pow(decay, visible.sum(2, dtype=torch.float32))  # α^{n_i}
-    fresh = (probs.float() * visible).transpose(2, 3) @ weight  # Σ_j (1 − α)·α^{q−1−j}·a_ij over visible j
-    return s * kept + fresh, norm * kept + (1 - kept)
-
-
-# ----- the skeleton ------------------------------------------------------------------------------
+# ----- the fate ----------------------------------------------------------------------------------
 @dataclass
-class MergingMethod(SnapKV):
-    """Select by EMA importance, fold what leaves into the most similar retained key (see the module docstring).
+class Merge(Fate):
+    """Fold what leaves into the most similar retained key (see the module docstring); the rule is the subclass's.
 
-    Options (beyond SnapKV's window, kernel, pooling and ScoreMethod's allocations):
-        sinks: first tokens never merged and never carriers (4, METHODS.md's s).
-        recent: most recent tokens never merged and never carriers; None = the observation
-            window. Capped at half of what the sinks leave of the budget, so that carriers exist.
-        ema_decay: α of the importance S_i ← αS_i + (1 − α)a_i (0.9: a memory of about 10
-            queries, shorter than the 32-query window, as the locality argument asks; the
-            paper's value is lost in the text).
+    Options:
+        window: the prefill's last queries whose mean is the reference query q̄ of the merges (32).
         similarity_threshold: candidates whose best cosine similarity is below it are
             dropped instead of merged (None: always merge).
-        slack: while decoding, merge only once a head exceeds its budget by this many
-            entries, then back to the budget (0: every step, as the paper).
+
+    With the EMA scorer (the presets), a carrier's importance becomes its group's; with another scorer (the
+    retention gates, KVzip...) the carriers keep their scores.
     """
 
-    sinks: int = 4
-    recent: int | None = None
-    ema_decay: float = 0.9
+    window: int = 32
     similarity_threshold: float | None = None
-    slack: int = 0
-
-    acts_while_decoding: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
-        if self.slack < 0 or (self.recent is not None and self.recent < 0):
-            raise ValueError("slack and recent must be ≥ 0")
+        if self.window < 1:
+            raise ValueError(f"{self.name}: window must be ≥ 1, got {self.window}")
         if self.similarity_threshold is not None and not -1.0 <= self.similarity_threshold <= 1.0:
             raise ValueError(f"similarity_threshold is a key cosine: it must be in [-1, 1], got {self.similarity_threshold}")
 
     def needs(self) -> Needs:
         return Needs(window=self.window)
-
-    @property
-    def decodes_all_layers(self) -> bool:
-        return True  # EMA channels, per-row thresholds, tallies: row by row
 
     def stats(self, states, counts) -> dict:
         merges = {name: int(counts.get(name, 0)) for name in MERGE_COUNTS}
@@ -382,60 +329,19 @@ class MergingMethod(SnapKV):
             out["merge_error"] = sum(errors) / len(errors)
         return out
 
-    # ----- importance ------------------------------------------------------------------------
-    def init_importance(self, view: KVView, queries, query_positions, query_valid, scaling) -> dict[str, torch.Tensor]:
-        """EMA of the window queries' attention (mean over the group), bias-corrected (Alg. 1, step 4)."""
-        grouped = group_queries(queries, view.shape[1])
-        probs = attention_probs(grouped, view.keys, scaling, query_positions, view.positions, view.valid).mean(dim=2)
-        zeros = torch.zeros(view.shape, dtype=torch.float32, device=view.keys.device)
-        s, norm = ema_over_queries(zeros, zeros, probs, query_positions, view.positions, view.valid, self.ema_decay, query_valid)
-        return {EMA: s, EMA_NORM: norm}
-
-    @staticmethod
-    def importance(view: KVView) -> torch.Tensor:
-        """Bias-corrected EMA Ŝ_i = S_i / (1 − α^{n_i}) [B, H, L] (0 before any update)."""
-        s, norm = view.channels[EMA], view.channels[EMA_NORM]
-        return torch.where(norm > 0, s / norm.clamp(min=1e-30), torch.zeros_like(s))
-
-    def score(self, view, context) -> torch.Tensor:
-        return pool_scores(self.importance(view), self.kernel, self.pooling)
-
-    def recent_count(self, budgets: torch.Tensor) -> torch.Tensor:
-        """[B]: protected recent tokens per row."""
-        recent = self.window if self.recent is None else self.recent
-        return torch.clamp(torch.minimum(torch.full_like(budgets, recent), (budgets - self.sinks) // 2), min=0)
-
-    def protected(self, view, context, budgets) -> torch.Tensor:
-        return recent_mask(view.positions, view.valid, self.recent_count(budgets)) | sink_mask(view.positions, view.valid, self.sinks)
-
-    # ----- compression -----------------------------------------------------------------------
+    # ----- the prefill -----------------------------------------------------------------------
     @torch.no_grad()  # forks compress outside inference mode: never record autograd
-    def compress(self, view, context, sizes=None) -> Edit:
-        window = self._prefill_window(context)
-        if sizes is None:
-            return self.compress_from_window(view, context, *window, self.layer_budget(context))
-        budgets = self._sized_budgets(sizes, context)
-        per_head = plus_protected(sizes, self.protected(view, context, budgets), view.lengths)
-        return self.compress_from_window(view, context, *window, budgets, per_head=per_head)
+    def evict(self, policy, view, context, ranking, per_head, budgets) -> Edit:
+        return self.merge_from_window(view, context, prefill_window(context, self.window), ranking, per_head)
 
-    def _prefill_window(self, context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The prefill's last ``window`` queries [B, Hq, w, d], their positions [B, w] and which are real [B, w]."""
-        queries = context.observations["window_queries"][:, :, -self.window :]
-        return queries, context.observations["window_positions"][:, -self.window :], window_query_valid(queries, context.tokens_seen)
-
-    def compress_from_window(self, view, context, queries, query_positions, query_valid, budgets, per_head=None) -> Edit:
-        """Score with the window's EMA, keep the top entries, merge the rest against the window's mean query.
+    def merge_from_window(self, view, context, window, ranking, per_head) -> Edit:
+        """Keep each head's ``per_head`` best by ``ranking``, merge the rest against the window's mean query.
 
         The edit's state records ``merge_error``: the reference query's relative output error
         right after compression (before: every entry, votes included; after: what is held).
         """
-        ref = window_reference(view, queries, query_valid)
-        view.channels.update(self.init_importance(view, queries, query_positions, query_valid, context.scaling))
-        if per_head is None:
-            keep = self.select(view, context, budgets, self.head_budgets)
-        else:
-            keep = top_per_head(self.ranking_key(view, context, budgets), per_head)
-        edit = self.merge(view, context, keep, budgets, ref)
+        ref = window_reference(view, *window[::2])
+        edit = self.merge(view, context, top_per_head(ranking.key, per_head), ranking.protected, ref)
         edit.state["merge_error"] = self._merge_error(view, edit, ref, context.scaling)
         return edit
 
@@ -474,24 +380,21 @@ class MergingMethod(SnapKV):
             return candidates
         return candidates & (similarity >= self.similarity_threshold)
 
-    def merge(self, view, context, keep: torch.Tensor, budgets: torch.Tensor, ref: Reference, protected=None) -> Edit:
+    def merge(self, view, context, keep: torch.Tensor, protected: torch.Tensor, ref: Reference) -> Edit:
         """Fold every valid entry outside ``keep`` [B, H, L] into its carrier (or drop it): the edit.
-        ``protected``: the sinks and recent window under ``budgets`` (computed here when not given)."""
+        ``protected``: the entries that never merge and never carry (sinks, the recent window)."""
         valid = view.valid_or_ones()
         keep = keep & valid
         candidates = valid & ~keep
-        channels = {EMA: view.channels[EMA], EMA_NORM: view.channels[EMA_NORM]}
         if not bool(candidates.any()):
-            return Edit(keep=keep, channels=channels)
-        if protected is None:
-            protected = self.protected(view, context, budgets)
+            return Edit(keep=keep)
         similarity, carrier = nearest_carriers(view.keys, candidates, self.carrier_pool(context, keep, candidates, protected))
         state: dict = {}
         merged = self.accept(context, similarity, candidates, state) & torch.isfinite(similarity)
         target = torch.where(merged, carrier, torch.arange(keep.shape[-1], device=keep.device).expand_as(carrier))
         plan = MergePlan(keep=keep, merged=merged, dropped=candidates & ~merged, target=target, similarity=similarity)
         result = self.merge_rule(view, plan, ref, context.scaling)
-        channels.update(self._merged_importance(view, plan))
+        channels = self._merged_importance(view, plan)
         carriers = plan.carriers
         edit = Edit(keep=plan.keep, rewrite=Rewrite(carriers, result.keys, result.values), channels=channels, state=state,
                     counts=self._count(context, plan, result))
@@ -502,10 +405,13 @@ class MergingMethod(SnapKV):
     def merge_rule(self, view, plan: MergePlan, ref: Reference, scaling: float) -> Merged:
         raise NotImplementedError
 
-    def _merged_importance(self, view, plan: MergePlan) -> dict[str, torch.Tensor]:
-        """A carrier's importance becomes the sum of its group's (the attention it will receive);
-        its bias correction the largest of the group's."""
-        s_hat = self.importance(view).masked_fill(~plan.members, 0.0)
+    @staticmethod
+    def _merged_importance(view, plan: MergePlan) -> dict[str, torch.Tensor]:
+        """With EMA channels: a carrier's importance becomes the sum of its group's (the attention it will
+        receive); its bias correction the largest of the group's. Other scorers' channels are left as they are."""
+        if EMA not in view.channels:
+            return {}
+        s_hat = EMAImportance.importance(view).masked_fill(~plan.members, 0.0)
         norm = view.channels[EMA_NORM].masked_fill(~plan.members, 0.0)
         summed = torch.zeros_like(s_hat).scatter_add(-1, plan.target, s_hat)
         largest = torch.zeros_like(norm).scatter_reduce(-1, plan.target, norm, reduce="amax", include_self=True)
@@ -525,54 +431,28 @@ class MergingMethod(SnapKV):
         return counts
 
     # ----- decoding --------------------------------------------------------------------------
-    def wants_col_sums(self, context) -> bool:
-        return context.query.shape[2] == 1  # several queries at once: their weights are taken one by one
-
-    def step_weights(self, view, context, col_sums) -> torch.Tensor:
-        """Each query's attention [B, H, q, L] (votes included, mean over the group), in order."""
-        if col_sums is not None:
-            return col_sums[:, :, None]
-        grouped = group_queries(context.query, view.shape[1])
-        logits = masked_logits(grouped, view.keys, context.scaling, context.query_positions, view.positions, view.valid,
-                               view.log_weights)
-        return torch.nan_to_num(torch.softmax(logits, dim=-1)).mean(dim=2)
-
-    def update_importance(self, view, context, col_sums) -> None:
-        """Fold the step's attention into every entry's EMA (in the view's working channels)."""
-        s, norm = ema_over_queries(view.channels[EMA], view.channels[EMA_NORM], self.step_weights(view, context, col_sums),
-                                   context.query_positions, view.positions, view.valid, self.ema_decay)
-        view.channels.update({EMA: s, EMA_NORM: norm})
-
     @torch.no_grad()
-    def decode_step(self, view, context, col_sums) -> Edit:
-        self.update_importance(view, context, col_sums)
-        return self.merge_over_budget(view, context) or Edit(channels={EMA: view.channels[EMA], EMA_NORM: view.channels[EMA_NORM]})
-
-    def merge_over_budget(self, view, context) -> Edit | None:
-        """Where a head holds more than budget + slack, merge its lowest-EMA entries (outside sinks and
-        the recent window) back to the budget, against the current query."""
-        budgets = self.decode_budget(context)
-        lengths = view.lengths
-        over = lengths > (budgets + self.slack)[:, None]
-        if not bool(over.any()):
-            return None
-        protected = self.protected(view, context, budgets)
-        excess = torch.where(over, lengths - budgets[:, None], 0)
+    def decode_evict(self, policy, view, context, col_sums, per_head, budgets) -> Edit:
+        """Heads holding more than ``per_head`` merge their lowest entries (outside the protected ones) back to it,
+        against the current query."""
+        protected = policy.score.decode_protected(view, context, budgets)
+        lengths = view.lengths.to(per_head.device)
+        excess = lengths - per_head
         if int(excess.max()) == 1 and bool(((view.valid_or_ones() & ~protected).sum(-1) >= 2).all()):
-            return self.merge_one(view, context, over, protected)  # the decoding steady state
-        key = priority(self.importance(view), protected, view.positions, view.valid)
-        keep = top_per_head(key, lengths - excess)
-        return self.merge(view, context, keep, budgets, query_reference(view, context), protected)
+            return self.merge_one(policy, view, context, excess > 0, protected, col_sums)  # the decoding steady state
+        key = priority(policy.score.decode_score(view, context, col_sums), protected, view.positions, view.valid)
+        return self.merge(view, context, top_per_head(key, per_head), protected, query_reference(view, context))
 
-    def merge_one(self, view, context, over: torch.Tensor, protected: torch.Tensor) -> Edit:
-        """One entry leaves each head in ``over`` [B, H] — its lowest-importance unprotected entry — folded
+    def merge_one(self, policy, view, context, over: torch.Tensor, protected: torch.Tensor, col_sums) -> Edit:
+        """One entry leaves each head in ``over`` [B, H] — its lowest-scoring unprotected entry — folded
         into its most similar unprotected retained key against the current query: ``merge`` with one
         group per head, computed on the two entries of each group only (the per-step cost of decoding)."""
         device = view.positions.device
         valid = view.valid_or_ones()
         over = over.to(device)
         open_ = valid & ~protected
-        candidate = self.importance(view).masked_fill(~open_, float("inf")).argmin(-1, keepdim=True)  # [B, H, 1]
+        scores = policy.score.decode_score(view, context, col_sums)
+        candidate = scores.masked_fill(~open_, float("inf")).argmin(-1, keepdim=True)  # [B, H, 1]
         keys = view.keys
         leaving = candidate[..., None].expand(-1, -1, 1, keys.shape[-1])
         similarity = (F.normalize(keys.float(), dim=-1) @ F.normalize(keys.gather(2, leaving).float(), dim=-1).transpose(-1, -2))[..., 0]
@@ -596,9 +476,9 @@ class MergingMethod(SnapKV):
         if result.log_votes is not None:
             edit.log_weights = log_votes_of(view).masked_scatter(rewritten, result.log_votes)
         importance = self._merged_importance(pair, plan)
-        edit.channels = {name: view.channels[name].scatter(-1, carrier, torch.where(merged_head, importance[name][..., :1],
+        edit.channels = {name: view.channels[name].scatter(-1, carrier, torch.where(merged_head, merged[..., :1],
                                                                                     view.channels[name].gather(-1, carrier)))
-                         for name in (EMA, EMA_NORM)}
+                         for name, merged in importance.items()}
         return edit
 
 
@@ -613,12 +493,10 @@ def log_votes_of(view: KVView) -> torch.Tensor:
 
 
 __all__ = [
-    "EMA",
-    "EMA_NORM",
     "KEY_RULES",
+    "Merge",
     "MergePlan",
     "Merged",
-    "MergingMethod",
     "Reference",
     "cam_merge",
     "d2o_merge",
@@ -629,6 +507,5 @@ __all__ = [
     "reference_output",
     "relative_error",
     "view_reference_output",
-    "window_query_valid",
     "zip_merge",
 ]

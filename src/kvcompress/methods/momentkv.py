@@ -10,10 +10,12 @@ entry i scores a_i·‖r_i‖ with the moment residual r_i = v_i − ô_E(k_i) (
 the moments already explain leave first. Prefill eviction runs in rounds so residuals see
 the moments; decoding evicts back to the budget when the cache overflows by ``slack``.
 
-Defaults follow the paper's protocol: SnapKV scores over a 32-query window, the first
-token kept as a sink, chunks of 4, Ada-KV head-wise budgets. Ablations are options:
-``correction=False`` (MI only), ``moment_eviction=False`` (NC only), ``order=0`` (ô_E = μ_v),
-``centred_residual=True`` (r_i = v_i − μ_v − τ·C·(k_i − μ_k)).
+The ``momentkv`` preset follows the paper's protocol: SnapKV scores over a 32-query window, the
+first token kept as a sink, chunks of 4, Ada-KV head-wise budgets, this fate, eviction while decoding
+after 32 entries of slack. Ablations are options of the fate: ``correction=False`` (MI only),
+``moment_eviction=False`` (NC only), ``order=0`` (ô_E = μ_v), ``centred_residual=True``
+(r_i = v_i − μ_v − τ·C·(k_i − μ_k)); ``momentkv+static`` leaves decoding alone. As a fate it folds what
+any scorer and sizer drop (``momentkv+gvote+static``: GVote's sizes, MomentKV's choice and moments).
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ from typing import ClassVar
 
 import torch
 
-from .adakv import AdaKV
-from ..read import attention_probs, group_queries
 from ..store.view import Edit
-from .base import adaptive_head_budgets, chunk_average, plus_protected, priority, recent_mask, sink_mask, top_per_head
+from .parts import Fate
+from .selection import chunk_average, priority, top_per_head
 
 MOMENTS = "moments"
 
@@ -116,36 +117,25 @@ class Moments:
 
 
 @dataclass
-class MomentKV(AdaKV):
-    """Moment-informed eviction + normalization-corrected attention (see the module docstring).
+class MomentKV(Fate):
+    """What leaves is folded into per-head moments, merged into every read; eviction moment-informed.
 
-    Options: rounds (prefill eviction rounds, 4), correction (merge the moments into
-    attention), moment_eviction (score a_i·‖r_i‖ instead of a_i), order (1 or 0),
-    centred_residual, decode_eviction (evict while decoding), slack (decoding overflow
-    before evicting back to the budget, 32), plus SnapKV/Ada-KV options.
+    Options: rounds (prefill eviction rounds, 4), correction (merge the moments into attention),
+    moment_eviction (score a_i·‖r_i‖ instead of a_i), order (1 or 0), centred_residual.
     """
 
-    sinks: int = 1
-    chunk_size: int = 4
     rounds: int = 4
     correction: bool = True
     moment_eviction: bool = True
     order: int = 1
     centred_residual: bool = False
-    decode_eviction: bool = True
-    slack: int = 32
 
     name: ClassVar[str] = "momentkv"
-    paper: ClassVar[str] = "MomentKV: Closing the Directional Gap in KV Cache Eviction (seeds/000)"
+    about: ClassVar[str] = "fold what leaves into per-head moments read with every query (MomentKV)"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.rounds < 1 or self.slack < 0 or self.order not in (0, 1):
-            raise ValueError("rounds must be ≥ 1, slack ≥ 0 and order 0 or 1")
-
-    @property
-    def acts_while_decoding(self) -> bool:  # type: ignore[override]
-        return self.decode_eviction
+        if self.rounds < 1 or self.order not in (0, 1):
+            raise ValueError("rounds must be ≥ 1 and order 0 or 1")
 
     # ----- scoring --------------------------------------------------------------------------
     def residual_norms(self, keys: torch.Tensor, values: torch.Tensor, moments: Moments, scaling: float) -> torch.Tensor:
@@ -158,31 +148,16 @@ class MomentKV(AdaKV):
             predicted = moments.evicted_output(keys, scaling)
         return (values - predicted).norm(dim=-1)
 
-    def eviction_key(self, view, attention: torch.Tensor, moments: Moments, protected, scaling) -> torch.Tensor:
+    def eviction_key(self, view, attention: torch.Tensor, moments: Moments, protected, scaling, chunk: int) -> torch.Tensor:
         """Ranking key: a_i·‖r_i‖ (a_i alone while nothing has been evicted), chunk-averaged, protected first."""
         score = attention
         if self.moment_eviction and bool((moments.count > 0).any()):
             has_moments = (moments.count > 0)[..., None]
             score = torch.where(has_moments, attention * self.residual_norms(view.keys, view.values, moments, scaling), attention)
-        return priority(chunk_average(score, view.valid, self.chunk_size), protected, view.positions, view.valid)
+        return priority(chunk_average(score, view.valid, chunk), protected, view.positions, view.valid)
 
     # ----- prefill --------------------------------------------------------------------------
-    def compress(self, view, context, sizes=None) -> Edit:
-        attention = self.score(view, context)
-        if sizes is not None:  # sizes chosen elsewhere (GVote): the protected entries plus ``sizes`` others
-            budgets = self._sized_budgets(sizes, context)
-            protected = self.protected(view, context, budgets)
-            return self._evict_in_rounds(view, context, attention, protected, plus_protected(sizes, protected, view.lengths))
-        budgets = self.layer_budget(context)
-        protected = self.protected(view, context, budgets)
-        first_key = priority(chunk_average(attention, view.valid, self.chunk_size), protected, view.positions, view.valid)
-        if self.head_budgets == "adaptive":
-            per_head = adaptive_head_budgets(first_key, budgets, self.alpha, view.lengths)
-        else:
-            per_head = torch.minimum(budgets[:, None].expand(-1, view.shape[1]), view.lengths)
-        return self._evict_in_rounds(view, context, attention, protected, per_head)
-
-    def _evict_in_rounds(self, view, context, attention, protected, per_head) -> Edit:
+    def evict(self, policy, view, context, ranking, per_head, budgets) -> Edit:
         """Evict down to ``per_head`` [B, H] in ``rounds`` steps, folding each round's evictions into the moments."""
         b, h, _ = view.shape
         moments = context.state.get(MOMENTS) or Moments.empty(b, h, view.keys.shape[-1], view.keys.device, self.order)
@@ -190,8 +165,8 @@ class MomentKV(AdaKV):
         keep = view.valid_or_ones().clone()
         for round_ in range(1, self.rounds + 1):
             target = lengths - torch.ceil((lengths - per_head).double() * round_ / self.rounds).long()
-            key = self.eviction_key(view, attention, moments, protected, context.scaling).masked_fill(~keep, float("-inf"))
-            kept = top_per_head(key, target)
+            key = self.eviction_key(view, ranking.scores, moments, ranking.protected, context.scaling, policy.score.chunk_size)
+            kept = top_per_head(key.masked_fill(~keep, float("-inf")), target)
             moments = moments.add(view.keys, view.values, keep & ~kept)
             keep = kept
         return self._edit(keep, moments)
@@ -201,22 +176,12 @@ class MomentKV(AdaKV):
         return Edit(keep=keep, summary=moments if self.correction and evicted else None, state={MOMENTS: moments})
 
     # ----- decoding -------------------------------------------------------------------------
-    def _over_budget(self, view, context) -> bool:
-        return bool((view.lengths > self.decode_budget(context)[:, None] + self.slack).any())
-
-    def decode_step(self, view, context, col_sums) -> Edit | None:
-        if not self._over_budget(view, context):
-            return None
-        if col_sums is None:  # the current query's weights score the eviction (only now: every `slack` steps)
-            probs = attention_probs(group_queries(context.query, view.shape[1]), view.keys, context.scaling,
-                                    context.query_positions, view.positions, view.valid)
-            col_sums = probs.sum(dim=3).mean(dim=2)
-        budgets = self.decode_budget(context)
-        recent = torch.full((view.shape[0],), min(self.window, int(budgets.min())), dtype=torch.long)
-        protected = recent_mask(view.positions, view.valid, recent) | sink_mask(view.positions, view.valid, self.sinks)
+    def decode_evict(self, policy, view, context, col_sums, per_head, budgets) -> Edit:
+        """The step's attention scores the eviction (computed only now: every ``slack`` steps), moment-informed."""
+        attention = policy.score.decode_score(view, context, col_sums)
+        protected = policy.score.decode_protected(view, context, budgets)
         moments = context.state[MOMENTS]
-        key = self.eviction_key(view, col_sums, moments, protected, context.scaling)
-        per_head = torch.minimum(budgets[:, None].expand(-1, view.shape[1]), view.lengths)
+        key = self.eviction_key(view, attention, moments, protected, context.scaling, policy.score.chunk_size)
         kept = top_per_head(key, per_head)
         return self._edit(kept, moments.add(view.keys, view.values, view.valid_or_ones() & ~kept))
 

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..read import attention_probs, group_queries
-from .base import Method
+from .parts import Reads
 
 STEP = "omnikv_tokens"
 
@@ -31,7 +31,7 @@ def filter_layers(num_layers: int, reference: tuple[int, ...] = (2, 8, 18), dept
 
 
 @dataclass
-class OmniKV(Method):
+class OmniKV(Reads):
     """Filter layers read everything and choose the tokens the next layers read (see the module docstring).
 
     Options:
@@ -39,8 +39,8 @@ class OmniKV(Method):
         sinks: first tokens always read (4).
         recent: most recent tokens always read (32).
 
-    ``budget`` / ``ratio`` are the tokens the layers after a filter layer read per KV head, the sinks and
-    recent ones included.
+    The policy's size (or ``read_budget`` / ``read_ratio`` when the policy also evicts) is the tokens the
+    layers after a filter layer read per KV head, the sinks and recent ones included.
     """
 
     filters: tuple[int, ...] | None = None
@@ -48,8 +48,7 @@ class OmniKV(Method):
     recent: int = 32
 
     name: ClassVar[str] = "omnikv"
-    keeps_every_entry: ClassVar[bool] = True
-    paper: ClassVar[str] = "Hao et al. 2025, OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs (seeds/004)"
+    about: ClassVar[str] = "filter layers choose the tokens the next layers read (OmniKV)"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,24 +62,14 @@ class OmniKV(Method):
     def filter_layers(self, num_layers: int) -> list[int]:
         return list(self.filters) if self.filters is not None else filter_layers(num_layers)
 
-    @property
-    def selects(self) -> bool:
-        return True
-
-    def read_budget(self, context) -> torch.Tensor:
-        """Tokens each row reads per layer after a filter layer [B]: the budget, or ratio × the tokens seen."""
-        tokens = context.tokens_seen
-        if self.budget is not None:
-            return torch.full_like(tokens, self.budget)
-        return torch.clamp((tokens.double() * self.ratio).ceil().long(), min=1)
-
-    def select(self, view, context) -> torch.Tensor | None:
+    def select(self, policy, view, context) -> torch.Tensor | None:
         filters = self.filter_layers(context.num_layers)
         layer = context.layer_idx
-        if layer < filters[0] or bool((self.read_budget(context) >= context.tokens_seen).all()):
+        budget = policy.read_budgets(context)
+        if layer < filters[0] or bool((budget >= context.tokens_seen).all()):
             return None  # before the first filter layer, or the budget reads every token: everything
         if layer in filters:
-            context.step[STEP] = self.choose(view, context)
+            context.step[STEP] = self.choose(view, context, budget)
             return None  # a filter layer reads everything, then chooses for the layers after it
         return self.columns(view, context.step[STEP])
 
@@ -90,7 +79,7 @@ class OmniKV(Method):
         lengths = view.lengths.to(view.positions.device)[..., None]
         return ((columns < self.sinks) | (columns >= lengths - self.recent)) & (columns < lengths)
 
-    def choose(self, view, context) -> torch.Tensor:
+    def choose(self, view, context, budget: torch.Tensor) -> torch.Tensor:
         """bool [B, tokens]: the tokens (by position) the next layers read — the protected ones and the best
         of the rest by the largest attention weight of the step's query over every query head, up to the
         read budget."""
@@ -110,7 +99,7 @@ class OmniKV(Method):
         best = best.scatter_reduce(1, positions, score.reshape(b, -1).masked_fill(~valid, float("-inf")), reduce="amax")
         best = best.masked_fill(wanted, float("-inf"))
         best[:, tokens] = float("-inf")
-        room = (self.read_budget(context).to(score.device) - wanted[:, :tokens].sum(-1)).clamp(min=0)
+        room = (budget.to(score.device) - wanted[:, :tokens].sum(-1)).clamp(min=0)
         top = best.topk(min(int(room.max()), tokens), dim=-1)
         take = (torch.arange(top.indices.shape[-1], device=score.device) < room[:, None]) & (top.values > float("-inf"))
         wanted = wanted.scatter(1, top.indices, take | wanted.gather(1, top.indices))

@@ -9,23 +9,20 @@ the best pages by the largest bound over its group's query heads, up to ``budget
 (or ``ratio`` of the context) per head, on top of the sinks and the most recent entries,
 which are always read. Quest saves reads, not memory: kr ≈ 1 (plus the bounds), cr < 1.
 
-``compress_with`` (e.g. ``"snapkv:ratio=0.5"``) first compresses the prompt with another
-method, then Quest selects among what that method kept (selection over an evicted or merged
-cache); the inner method keeps acting while decoding.
+As a read rule it composes with any eviction: ``snapkv:ratio=0.5+quest:read_ratio=0.1`` keeps half the
+prompt by SnapKV, then each step reads a tenth of the tokens among what is held (selection over an evicted
+or merged cache); an eviction that acts while decoding keeps acting.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import ClassVar
 
 import torch
 
 from ..read import group_queries
-from ..store.view import Edit
-from .base import Method, Needs
-from .spec import get_method
+from .parts import Needs, Reads
 
 
 def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -36,7 +33,7 @@ def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Quest(Method):
+class Quest(Reads):
     """Query-aware page selection over every held entry (see the module docstring).
 
     Options:
@@ -45,95 +42,34 @@ class Quest(Method):
         recent: most recent entries always read (the current page and the ones before, 32).
         dense_layers: the first layers read everything (2: the paper leaves its first two layers
             dense, where attention is least sparse).
-        compress_with: another method (name and options, ``"snapkv:ratio=0.5"``) compressing the
-            prompt first; None = keep everything (the paper).
-
-    ``budget`` / ``ratio`` are the entries read per step and KV head, protected ones included.
+        read_budget / read_ratio: the entries read per step and KV head, protected ones included, when the
+            policy's own size is what its scorer keeps; otherwise the policy's size is what is read.
     """
 
     page_size: int = 16
     sinks: int = 4
     recent: int = 32
     dense_layers: int = 2
-    compress_with: str | None = None
 
     name: ClassVar[str] = "quest"
-    keeps_every_entry: ClassVar[bool] = True
-    paper: ClassVar[str] = "Tang et al. 2024, Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"
+    about: ClassVar[str] = "each step reads the pages whose key bounds score highest (Quest)"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.page_size < 1 or self.sinks < 0 or self.recent < 1 or self.dense_layers < 0:
             raise ValueError(f"page_size and recent must be ≥ 1, sinks and dense_layers ≥ 0, got {self.page_size}, "
                              f"{self.recent}, {self.sinks}, {self.dense_layers}")
-        _ = self.inner  # an unusable compress_with fails here, not at the first prefill
-
-    @cached_property
-    def inner(self) -> Method | None:
-        """The method that compresses the prompt first (``compress_with``), or None."""
-        if self.compress_with is None:
-            return None
-        if not isinstance(self.compress_with, str):
-            raise ValueError(f"compress_with must be a method spec such as \"snapkv:ratio=0.5\", got {self.compress_with!r}")
-        inner = get_method(self.compress_with)
-        if inner.selects:
-            raise ValueError("compress_with must evict or merge, not select")
-        return inner
 
     def needs(self) -> Needs:
-        own = Needs(key_pages=self.page_size)
-        return own if self.inner is None else own.union(self.inner.needs())
+        return Needs(key_pages=self.page_size)
 
-    def kept_per_head(self, context_tokens: int) -> int | None:
-        return None if self.inner is None else self.inner.kept_per_head(context_tokens)
-
-    # ----- the inner method -------------------------------------------------------------------
-    @property
-    def plans_globally(self) -> bool:
-        return self.inner is not None and self.inner.plans_globally
-
-    def plan(self, layers):
-        return self.inner.plan(layers)
-
-    def compress(self, view, context, sizes=None) -> Edit | None:
-        return None if self.inner is None else self.inner.compress(view, context, sizes)
-
-    @property
-    def acts_while_decoding(self) -> bool:  # type: ignore[override]
-        return self.inner is not None and self.inner.acts_while_decoding
-
-    @property
-    def decodes_all_layers(self) -> bool:
-        return self.inner is None or self.inner.decodes_all_layers
-
-    def wants_col_sums(self, context) -> bool:
-        return self.inner is not None and self.inner.wants_col_sums(context)
-
-    def decode_step(self, view, context, col_sums):
-        return self.inner.decode_step(view, context, col_sums)
-
-    def stats(self, states, counts) -> dict:
-        return {} if self.inner is None else self.inner.stats(states, counts)
-
-    # ----- selection ---------------------------------------------------------------------------
-    @property
-    def selects(self) -> bool:
-        return True
-
-    def read_budget(self, view, context) -> torch.Tensor:
-        """Entries each row reads per KV head [B]: the budget, or ratio × the tokens seen."""
-        tokens = context.tokens_seen
-        if self.budget is not None:
-            return torch.full_like(tokens, self.budget)
-        return torch.clamp((tokens.double() * self.ratio).ceil().long(), min=1)
-
-    def select(self, view, context) -> torch.Tensor | None:
+    def select(self, policy, view, context) -> torch.Tensor | None:
         """The sinks, the recent entries and the best pages by bound, up to the read budget per head."""
         if context.layer_idx < self.dense_layers:
             return None
         b, h, length = view.shape
         size = self.page_size
-        budget = self.read_budget(view, context)
+        budget = policy.read_budgets(context)
         if bool((view.lengths <= budget[:, None]).all()):
             return None  # every head holds no more than it may read
         device = view.positions.device

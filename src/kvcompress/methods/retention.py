@@ -6,9 +6,10 @@ token enters the cache: e = SiLU(W_ℓh x_i + b_ℓh), β_ℓh(x_i) = sigmoid(u�
 shared by every layer and head (the weight tying that puts every score on one scale). An
 entry's score at step t is s_i(t) = Σ_{k=1..H} β_i^{t−i+k} (horizon H; H = 1 is myopic), and
 one budget M = budget × layers × KV heads keeps the M best entries over **all** layers and
-heads at once, so layers and heads end with very different lengths. While decoding, the new
-entries' β join the ranking and the cache is cut back to M whenever it holds more than
-M + ``buffer``.
+heads at once (+global), so layers and heads end with very different lengths. While decoding (the
+``retention`` preset evicts), the new entries' β join the ranking and the cache is cut back to M whenever it
+holds more than M + the decoding rule's ``slack`` (128). As a scorer it ranks under any sizer and fate
+(``retention+keepkv``: the gates' choice, merged as KeepKV merges).
 
 The gates are trained on the frozen model (``kvcompress train retention``, ``train/retention.py``);
 ``checkpoint=DIR`` loads them, and without it the checkpoint shipped for the model is used (``methods/shipped.py``:
@@ -28,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..store.view import Edit, KVView, LayerContext
-from .base import PROTECTED_PRIORITY, Needs, ScoreMethod, global_sizes, plus_protected, top_per_head
+from ..store.view import KVView, LayerContext
+from .parts import Needs, Scorer
 from .shipped import DATA, check_checkpoint, load_shipped, shipped_checkpoint
 
 LOG_BETA = "retention_log_beta"
@@ -97,28 +98,26 @@ def log_retention_score(log_beta: torch.Tensor, age: torch.Tensor, horizon: int)
 
 
 @dataclass
-class Retention(ScoreMethod):
-    """Learned retention gates ranked over every layer and head under one budget (seed 001).
+class Retention(Scorer):
+    """Learned retention gates (seed 001): an entry scores its log s_i(t) from the gate's β.
 
     Options: checkpoint (a folder from ``kvcompress train retention``; None = the one shipped for the
-    model it runs on), horizon (H of the score; 1 = myopic), buffer (entries over the budget before a
-    re-rank while decoding), plus ScoreMethod's: ``layer_budgets="global"`` by default (the paper's);
-    "uniform" with ``head_budgets`` uniform or adaptive are the per-layer / per-head ablations.
+    model it runs on), horizon (H of the score; 1 = myopic), plus sinks and chunk_size. The paper ranks
+    over every layer and head under one budget (the ``retention`` preset: +global, +evict:slack=128).
     """
 
     checkpoint: str | None = None
     horizon: int = 1
-    buffer: int = 128
-    layer_budgets: str = "global"
 
     name: ClassVar[str] = "retention"
-    paper: ClassVar[str] = "Make Each Token Count: Towards Improving Long-Context Performance with KV Cache Eviction"
-    evict_while_decoding: ClassVar[bool] = True
+    about: ClassVar[str] = "learned retention gates: β of each token's attention input (seed 001)"
+    channels: ClassVar[tuple[str, ...]] = (LOG_BETA,)
+    changes_while_decoding: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.horizon < 1 or self.buffer < 0:
-            raise ValueError(f"retention: horizon must be ≥ 1 and buffer ≥ 0, got horizon={self.horizon}, buffer={self.buffer}")
+        if self.horizon < 1:
+            raise ValueError(f"retention: horizon must be ≥ 1, got horizon={self.horizon}")
         check_checkpoint("retention", self.checkpoint)
 
     def needs(self) -> Needs:
@@ -131,7 +130,6 @@ class Retention(ScoreMethod):
         return RetentionGates.load(Path(self.checkpoint).expanduser() if self.checkpoint else SHIPPED / EMBEDDED)
 
     def check_model(self, config) -> None:
-        super().check_model(config)
         if self.checkpoint is None:
             folder = shipped_checkpoint("retention", config, {"num_layers": config.num_hidden_layers,
                                                               "num_kv_heads": config.num_key_value_heads,
@@ -168,47 +166,16 @@ class Retention(ScoreMethod):
         log_beta = self.log_beta(context.layer_idx, context.num_layers, h, hidden[:, :length])
         return log_beta.masked_fill(~view.valid, 0.0) if view.valid is not None else log_beta
 
+    def prepare(self, view: KVView, context: LayerContext) -> None:
+        view.channels[LOG_BETA] = self._prefill_log_beta(view, context)
+
     def score(self, view: KVView, context: LayerContext) -> torch.Tensor:
-        if LOG_BETA not in view.channels:
-            view.channels[LOG_BETA] = self._prefill_log_beta(view, context)
         return log_retention_score(view.channels[LOG_BETA], _age(view), self.horizon)
 
-    def compress(self, view: KVView, context: LayerContext, sizes: torch.Tensor | None = None) -> Edit:
-        view.channels[LOG_BETA] = self._prefill_log_beta(view, context)
-        edit = super().compress(view, context, sizes)
-        edit.channels[LOG_BETA] = view.channels[LOG_BETA]
-        return edit
-
     # ----- decoding ---------------------------------------------------------------------------------
-    def decode_step(self, view: KVView, context: LayerContext, col_sums: torch.Tensor | None) -> Edit:
-        """Every layer at once (rows l·B + b): record the new entries' log β, then cut back to the budget when
-        a row holds more than budget + buffer (over all layers and heads for the global budget)."""
+    def observe_step(self, view: KVView, context: LayerContext, col_sums: torch.Tensor | None) -> None:
+        """Record the step's new entries' log β (one layer, or every layer at once: rows l·B + b)."""
         view.channels[LOG_BETA] = self._with_new_entries(view, context)
-        edit = Edit(channels={LOG_BETA: view.channels[LOG_BETA]})
-        budgets = self.decode_budget(context)  # [R] entries per head
-        if self.layer_budgets == "global" and context.layer_idx >= 0:
-            return edit  # a step cut short before the last layer: the global re-rank waits for a whole step
-        if self.layer_budgets != "global":
-            if bool((view.lengths > budgets[:, None] + self.buffer).any()):
-                edit.keep = self.select(view, context, budgets, self.head_budgets)
-            return edit
-        layers = context.num_layers
-        rows = view.shape[0] // layers
-        heads = view.shape[1] * layers
-        totals = view.lengths.view(layers, rows, -1).sum(dim=(0, 2))  # [B] entries per batch row
-        allowed = budgets.view(layers, rows)[0] * heads
-        over = totals > allowed + self.buffer  # only these batch rows are cut back
-        if not bool(over.any()):
-            return edit
-        key = self.ranking_key(view, context, budgets)
-        protected = key >= PROTECTED_PRIORITY
-        keys = list(key.split(rows))
-        sizes = global_sizes(keys, torch.clamp(allowed - protected.view(layers, rows, -1).sum(dim=(0, 2)).cpu(), min=0))
-        lengths = view.lengths.split(rows)
-        keep = torch.cat([top_per_head(k, plus_protected(s, p, n)) for k, s, p, n in zip(keys, sizes, protected.split(rows), lengths)])
-        held = torch.arange(view.shape[2], device=keep.device) < view.lengths.to(keep.device)[..., None]
-        edit.keep = torch.where(over.repeat(layers).to(keep.device)[:, None, None], keep, held)
-        return edit
 
     def _with_new_entries(self, view: KVView, context: LayerContext) -> torch.Tensor:
         """The log-β channel [R, H, L] with the step's new entries (each head's last q) filled in."""

@@ -1,9 +1,9 @@
-"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+"""SnapKV's scorer (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
 
 Score of entry j: σ_j = Σ_{i∈window} a_ij, the attention the last ``window`` prefill queries
 pay to it, averaged over the GQA group and smoothed by 1-D pooling over positions
-(METHODS.md, "SnapKV"). The window itself is always kept; the rest of the budget goes to
-the top scores. PyramidKV and Ada-KV reuse this score with other budget allocations.
+(METHODS.md, "SnapKV"). The window itself is always kept. The presets ``snapkv``, ``pyramidkv``
+(+pyramid), ``adakv`` (+adaptive) and ``momentkv`` (+adaptive, moments) rank with it.
 """
 
 from __future__ import annotations
@@ -14,16 +14,18 @@ from typing import ClassVar
 import torch
 
 from ..read import attention_probs, group_queries
-from .base import Needs, ScoreMethod, pool_scores, recent_mask, sink_mask
+from .parts import Needs, Scorer
+from .selection import pool_scores, recent_mask, sink_mask
 
 
 @dataclass
-class SnapKV(ScoreMethod):
+class SnapKV(Scorer):
     """Observation-window attention, pooled; keeps the window.
 
     Options: window (last queries that vote, default 32), kernel (pooling width, 7),
-    pooling ("max" or "avg"), plus ScoreMethod's sinks, chunk_size and budget allocations.
-    Pooling is applied per query head, then scores are averaged over the GQA group.
+    pooling ("max" or "avg"), plus sinks and chunk_size. Pooling is applied per query head, then
+    scores are averaged over the GQA group. While decoding (a policy that evicts: MomentKV) the step's
+    query scores the entries, and the most recent ``window`` entries (at most the size) are kept.
     """
 
     window: int = 32
@@ -31,7 +33,7 @@ class SnapKV(ScoreMethod):
     pooling: str = "max"
 
     name: ClassVar[str] = "snapkv"
-    paper: ClassVar[str] = "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation"
+    about: ClassVar[str] = "attention of the prompt's last window queries, pooled (SnapKV)"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,13 +57,29 @@ class SnapKV(ScoreMethod):
         grouped = group_queries(queries, view.shape[1])
         probs = attention_probs(grouped, view.keys, context.scaling, query_positions, view.positions, view.valid)
         votes = probs.sum(dim=3)  # [B, H, G, L]: total attention from the window, per query head
-        window = self._window_mask(view)
+        window = self._recent(view, torch.full((view.shape[0],), self.window, dtype=torch.long))
         votes = votes.masked_fill(window[:, :, None, :], 0.0)  # the window is kept anyway; it does not vote for itself
         return pool_scores(votes, self.kernel, self.pooling).mean(dim=2)
 
-    def _window_mask(self, view) -> torch.Tensor:
-        count = torch.full((view.shape[0],), self.window, dtype=torch.long)
+    @staticmethod
+    def _recent(view, count: torch.Tensor) -> torch.Tensor:
         return recent_mask(view.positions, view.valid, count)
 
     def protected(self, view, context, budgets) -> torch.Tensor:
-        return self._window_mask(view) | sink_mask(view.positions, view.valid, self.sinks)
+        count = torch.full((view.shape[0],), self.window, dtype=torch.long)
+        return self._recent(view, count) | sink_mask(view.positions, view.valid, self.sinks)
+
+    def decode_score(self, view, context, col_sums) -> torch.Tensor:
+        """The step's attention (its column sums, or computed from its query: only when a step evicts)."""
+        if col_sums is not None:
+            return col_sums
+        probs = attention_probs(group_queries(context.query, view.shape[1]), view.keys, context.scaling,
+                                context.query_positions, view.positions, view.valid)
+        return probs.sum(dim=3).mean(dim=2)
+
+    def decode_protected(self, view, context, budgets) -> torch.Tensor:
+        recent = torch.full((view.shape[0],), min(self.window, int(budgets.min())), dtype=torch.long)
+        return self._recent(view, recent) | sink_mask(view.positions, view.valid, self.sinks)
+
+
+__all__ = ["SnapKV"]

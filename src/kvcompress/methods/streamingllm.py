@@ -1,9 +1,9 @@
-"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks").
+"""StreamingLLM's scorer (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks").
 
-Keep ``sinks`` first tokens plus the ``B − sinks`` most recent (METHODS.md, "StreamingLLM").
-While decoding the window rolls: whenever a head exceeds the budget, the oldest non-sink
-entries leave (``roll=False`` compresses once at prefill and keeps every later token, as
-kvpress's StreamingLLMPress does).
+Recency: keep ``sinks`` first tokens plus the ``B − sinks`` most recent (METHODS.md, "StreamingLLM").
+The ``streamingllm`` preset evicts while decoding, so the window rolls: whenever a head exceeds the
+budget the oldest non-sink entries leave (``streamingllm+static`` compresses once at prefill and keeps
+every later token, as kvpress's StreamingLLMPress does).
 """
 
 from __future__ import annotations
@@ -11,23 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import ScoreMethod
+from .parts import Scorer
 
 
 @dataclass
-class StreamingLLM(ScoreMethod):
-    """Attention sinks + a recent window; evicts the oldest entries while decoding (unless ``roll=False``)."""
+class Recency(Scorer):
+    """A later position scores higher; the first ``sinks`` tokens (4) are kept."""
 
     sinks: int = 4
-    roll: bool = True
 
-    name: ClassVar[str] = "streamingllm"
-    paper: ClassVar[str] = "Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks"
+    name: ClassVar[str] = "recency"
+    about: ClassVar[str] = "the most recent tokens, plus attention sinks (StreamingLLM)"
 
     def score(self, view, context):
-        """Recency: a later position scores higher."""
         return view.positions.float()
 
-    @property
-    def acts_while_decoding(self) -> bool:  # type: ignore[override]
-        return self.roll
+
+__all__ = ["Recency"]

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engine import LLM
-from ..methods import Method
+from ..methods import Policy
 from . import protocol
 from .loop import EngineLoop, Event, QueueFull, ShuttingDown
 from .protocol import APIError, Limits
@@ -45,7 +45,7 @@ class _Metrics:
                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
 
-def build_app(llm: LLM, *, model_name: str, method: Method, limits: Limits | None = None, max_queued: int = 256,
+def build_app(llm: LLM, *, model_name: str, method: Policy, limits: Limits | None = None, max_queued: int = 256,
               grace_s: float = 10.0) -> FastAPI:
     """A FastAPI app serving ``llm`` (started and stopped with the app's lifespan)."""
     limits = limits or Limits(max_prompt_tokens=llm.max_model_len - 1, max_tokens=llm.max_model_len - 1)

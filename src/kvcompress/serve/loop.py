@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine import LLM, RequestOutput, SamplingParams, TokenLogprob
-from ..methods import Method
+from ..methods import Policy
 
 
 SHUT_DOWN = "the server shut down before this request finished; retry it on another server"
@@ -48,7 +48,7 @@ class Event:
 class _Job:
     prompt_ids: list[int]
     params: SamplingParams
-    method: Method
+    method: Policy
     sink: Callable[[Event], None]
     index: int = 0
     id: int | None = None
@@ -77,7 +77,7 @@ class EngineLoop:
         self._thread.start()
 
     # ----- for the handlers (any thread) ---------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, method: Method, sink: Callable[[Event], None],
+    def submit(self, prompt_ids: list[int], params: SamplingParams, method: Policy, sink: Callable[[Event], None],
                index: int = 0) -> _Job:
         """Queue a checked request (answer ``index`` of its prompt); its events go to ``sink`` (called from the
         loop thread)."""

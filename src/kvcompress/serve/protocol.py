@@ -15,7 +15,7 @@ from typing import Any
 
 from ..engine import RequestOutput, SamplingParams, TokenLogprob
 from ..engine.sampling import MAX_LOGPROBS, SEED_RANGE
-from ..methods import Method, get_method
+from ..methods import Policy, get_method
 
 
 class APIError(Exception):
@@ -126,7 +126,7 @@ class Parsed:
     """A checked request: sampling, method, streaming, and the raw prompt (text or token ids) or messages."""
 
     params: SamplingParams
-    method: Method
+    method: Policy
     stream: bool
     include_usage: bool
     prompt: str | list[int] | None = None
@@ -149,7 +149,7 @@ def _number(body: dict, name: str, default, kind, low=None, high=None, low_open=
     return value
 
 
-def parse(body: Any, *, chat: bool, model_name: str, default_method: Method, limits: Limits) -> Parsed:
+def parse(body: Any, *, chat: bool, model_name: str, default_method: Policy, limits: Limits) -> Parsed:
     """Check a completions or chat-completions body; raise ``APIError`` naming the field at fault."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -228,9 +228,9 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _method(spec: Any, default: Method) -> Method:
+def _method(spec: Any, default: Policy) -> Policy:
     """The request's ``kv_compression`` as a method (the server's default without it): ``method`` is a spec
-    (a name, or ``snapkv:window=16``), the other keys its size and options."""
+    (a name, ``snapkv:window=16`` or ``kvzip+adaptive``), the other keys its size and options (the first element's)."""
     if spec is None:
         return default
     if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
