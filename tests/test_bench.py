@@ -1,6 +1,5 @@
 """bench: rows carry same-run ratios to full, and compression really holds fewer bytes."""
 
-import torch
 
 from common import tiny_model
 from kvcompress import get_method

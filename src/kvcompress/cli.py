@@ -353,7 +353,7 @@ def cmd_bench(args) -> int:
     outdir.start(out, "bench", overwrite=args.overwrite)
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
                device=str(model.device), threads=torch.get_num_threads())
-    print(f"| context | method | size | prefill s | compress s | decode ms/tok | kv MB | cr | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
+    print("| context | method | size | prefill s | compress s | decode ms/tok | kv MB | cr | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         size = r["budget"] if r["budget"] is not None else (f"{r['ratio']:g}" if r["ratio"] is not None else "—")

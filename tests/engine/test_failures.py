@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-import torch
 
 from kvcompress.engine import SamplingParams
 from kvcompress.methods import get_method

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common import kept_positions, random_layer
+from common import random_layer
 from kvcompress import get_method
 from kvcompress.methods.selection import (
     adaptive_head_budgets,

@@ -10,7 +10,6 @@ import torch
 from common import layers_of, shipped_folder, tiny_codec, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress import CompressedCache, get_method
-from kvcompress.methods import get_method
 from kvcompress.store.deltakv import DeltaKVCodec, DeltaKVWeights, reference_mask
 from kvcompress.train.deltakv import DeltaKVTraining, train_deltakv
 

@@ -6,7 +6,6 @@ import torch
 
 from common import layers_of, tiny_model
 from kvcompress import CompressedCache, get_method
-from kvcompress.methods import get_method
 from kvcompress.store.slots import TIER_SHIFT
 
 D, HEADS, LAYERS = 16, 2, 2  # tiny_model's head dim, KV heads and layers
