@@ -82,7 +82,6 @@ class EMAImportance(Scorer):
     name: ClassVar[str] = "ema"
     about: ClassVar[str] = "moving average of the attention each entry receives (KeepKV's importance)"
     channels: ClassVar[tuple[str, ...]] = (EMA, EMA_NORM)
-    changes_while_decoding: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -32,7 +32,6 @@ class H2O(Scorer):
     name: ClassVar[str] = "h2o"
     about: ClassVar[str] = "attention accumulated over every query so far, plus a recent window (H2O)"
     channels: ClassVar[tuple[str, ...]] = (SCORE,)
-    changes_while_decoding: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -109,7 +109,6 @@ class Scorer(Part):
 
     role: ClassVar[str] = "score"
     channels: ClassVar[tuple[str, ...]] = ()  # per-entry channels the scorer carries from step to step
-    changes_while_decoding: ClassVar[bool] = False  # observe_step updates the scores
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.sinks < 0:
@@ -170,11 +169,6 @@ class Sizer(Part):
         """True when sizes are chosen across layers: ``plan`` runs once every layer is observed."""
         return False
 
-    @property
-    def content_sized(self) -> bool:
-        """True when the entries kept depend on the content, so no count is known before the prompt is seen."""
-        return bool(self.sizes_itself)
-
     def prepare(self, view: KVView, context: LayerContext) -> None:
         """Before the prefill's scores (GVote records its votes for its scorer)."""
 
@@ -209,7 +203,6 @@ class Fate(Part):
     """What becomes of the entries that leave: the edit that keeps ``per_head`` [B, H] entries per head."""
 
     role: ClassVar[str] = "fate"
-    keeps_channels: ClassVar[tuple[str, ...]] = ()
 
     def evict(self, policy, view: KVView, context: LayerContext, ranking: Ranking, per_head: torch.Tensor,
               budgets: torch.Tensor) -> Edit:

@@ -112,7 +112,6 @@ class Retention(Scorer):
     name: ClassVar[str] = "retention"
     about: ClassVar[str] = "learned retention gates: β of each token's attention input (seed 001)"
     channels: ClassVar[tuple[str, ...]] = (LOG_BETA,)
-    changes_while_decoding: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -138,10 +138,6 @@ class Threshold(Sizer):
             raise ValueError(f"{policy.label} evicts to its size while decoding; threshold sizing is for policies that "
                              "compress the prompt once (kvzip, snapkv, expected_attention...)")
 
-    @property
-    def content_sized(self) -> bool:
-        return True
-
     def per_head(self, key, budgets, view, context) -> torch.Tensor:
         protected = (key >= PROTECTED_PRIORITY).sum(dim=-1)
         passing = (key >= self.tau).sum(dim=-1)  # protected keys rank above any threshold
