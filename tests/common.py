@@ -259,3 +259,16 @@ def shipped_folder(method: str, name: str, wanted: dict):
     by_shape = shipped_checkpoint(method, SimpleNamespace(_name_or_path="/somewhere/model.gguf"), wanted)
     assert by_name == by_shape and by_name.name == name
     return by_name
+
+
+def toy_task_file(path, samples: int = 3):
+    """A JSONL task file of ``samples`` toy samples (90 random words of the tiny vocabulary, one question) at ``path``."""
+    import json
+
+    gen = torch.Generator().manual_seed(0)
+    with open(path, "w") as handle:
+        for i in range(samples):
+            words = " ".join(f"w{int(x)}" for x in torch.randint(2, 60, (90,), generator=gen))
+            row = {"id": f"s{i}", "context": words, "question": "w5 w6", "answers": ["w7"], "task": "toy", "metric": "contains"}
+            handle.write(json.dumps(row) + "\n")
+    return path

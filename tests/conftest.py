@@ -68,3 +68,28 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[[str], Path]:
         return directory
 
     return make
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster for the scale-out tests (two CPUs, a short temp dir, token auth off, loopback), started
+    once; yields the port of its metrics export (Ray's Prometheus endpoint)."""
+    import os
+    import shutil
+    import socket
+    import tempfile
+
+    ray = pytest.importorskip("ray", reason="the scale-out tests need the ray extra (make setup installs it)")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # loopback only: no token to hand the clients
+    temp = tempfile.mkdtemp(prefix="kvc-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp, log_to_driver=False,
+             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
+    yield port
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,11 +46,19 @@ def _device(args) -> str:
 def _load(args):
     """The model and tokenizer of ``--model`` in ``--dtype`` on ``--device`` (auto: the checkpoint's dtype on a
     GPU, float32 on the CPU, where 16-bit matmuls are slow)."""
+    return _loader(args)()
+
+
+def _loader(args) -> functools.partial:
+    """``_load`` as a picklable call (what each Ray worker runs)."""
     device = _device(args)
     dtype = args.dtype
     if dtype == "auto" and torch.device(device).type == "cpu":
         dtype = "float32"
-    return load_model(args.model, dtype=dtype, device=device)
+    return functools.partial(load_model, args.model, dtype=dtype, device=device)
+
+
+NEEDS_RAY = "{what} needs Ray: pip install 'kvcompress[ray]' ({error})"
 
 
 def _quiet_transformers() -> None:
@@ -155,6 +164,15 @@ def cmd_eval(args) -> int:
         haystack=args.haystack,
     )
     method_grid(settings)  # every method, option and size checked before anything is loaded or written
+    if (args.workers is not None or args.ray_address) and not args.ray:
+        raise ValueError("--workers and --ray-address shard the eval over Ray: add --ray")
+    if args.ray:
+        try:
+            from .eval import ray as shards
+        except ImportError as error:
+            raise ValueError(NEEDS_RAY.format(what="--ray", error=error)) from None
+        run_eval = functools.partial(shards.run_eval, workers=shards.Workers(count=args.workers, address=args.ray_address,
+                                                                             load=_loader(args)))
     for path in settings.task_files:
         load_task_file(path)
     out = _out_dir(args)
@@ -201,7 +219,7 @@ def _write_predictions(out: Path, predictions: list) -> None:
 def _resumed(out: Path, args, settings: dict) -> dict:
     """The predictions an interrupted eval in ``out`` already made, by run; refused unless that eval had
     the same model and settings (a truncated last line, from a hard kill, is dropped)."""
-    from .eval.runner import prediction_from_record, prediction_key
+    from .eval.runner import key_of, prediction_from_record
 
     results = out / "results.json"
     if not results.is_file():
@@ -222,7 +240,7 @@ def _resumed(out: Path, args, settings: dict) -> dict:
             p = prediction_from_record(json.loads(line))
         except (json.JSONDecodeError, KeyError):
             break  # the line being written when the run was killed: it runs again
-        done[prediction_key(p.task, p.id, p.method, p.budget, p.ratio)] = p
+        done[key_of(p)] = p
     return done
 
 
@@ -410,6 +428,10 @@ def cmd_serve(args) -> int:
     from . import LLM
 
     method = _method(args.method, args.budget, args.ratio)
+    if args.ray_address and not args.replicas:
+        raise ValueError("--ray-address runs the server on a Ray cluster: add --replicas N")
+    if args.replicas:
+        return _serve_on_ray(args)
     llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed,
               max_model_len=args.max_model_len)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens or llm.max_model_len - 1,
@@ -419,6 +441,23 @@ def cmd_serve(args) -> int:
           file=sys.stderr)
     run(llm, model_name=name, method=method, host=args.host, port=args.port, limits=limits, max_queued=args.max_queued,
         log_level="warning" if args.quiet else "info")
+    return 0
+
+
+def _serve_on_ray(args) -> int:
+    """``serve --replicas N``: the same server as N engine replicas on Ray Serve (serve/ray.py)."""
+    try:
+        from .serve import ray as on_ray
+    except ImportError as error:
+        raise ValueError(NEEDS_RAY.format(what="--replicas", error=error)) from None
+    _device(args)
+    size = {"budget": args.budget} if args.budget is not None else {"ratio": args.ratio} if args.ratio is not None else {}
+    spec = on_ray.ReplicaSpec(model=args.model, method=args.method, options=size, kv_memory=args.kv_memory,
+                              max_num_seqs=args.max_num_seqs, device=args.device, dtype=args.dtype, seed=args.seed,
+                              max_model_len=args.max_model_len, max_prompt_tokens=args.max_prompt_tokens,
+                              max_tokens=args.max_tokens_limit, max_queued=args.max_queued,
+                              served_model_name=args.served_model_name or _model_name(args), threads=args.threads_per_replica)
+    on_ray.run(spec, args.replicas, host=args.host, port=args.port, address=args.ray_address)
     return 0
 
 
@@ -615,6 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-share-prefill", action="store_true", help="prefill again for every method × budget")
     e.add_argument("--resume", action="store_true", help="finish the interrupted eval in --out (the same flags; its finished "
                    "runs are kept, the rest run)")
+    e.add_argument("--ray", action="store_true", help="shard the samples over Ray actors, each loading the model once "
+                   "(needs kvcompress[ray]); the results are the same as without")
+    e.add_argument("--ray-address", default=None, help="--ray: the cluster to join, e.g. ray://head:10001 or auto "
+                   "(default: a new local one)")
+    e.add_argument("--workers", type=_count, default=None, help="--ray: actors of one CPU each (default: one per CPU of the cluster)")
     e.set_defaults(func=cmd_eval)
 
     dg = sub.add_parser("diagnose", formatter_class=_Help, help="fidelity on plain text: per-layer attention error, KL, perplexity")
@@ -663,6 +707,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model or the embedded one)")
     sv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="default: 8000")
+    sv.add_argument("--replicas", type=_count, default=None, help="serve N engine replicas on Ray Serve behind one endpoint "
+                    "(needs kvcompress[ray]; default: one engine in this process, no Ray)")
+    sv.add_argument("--ray-address", default=None, help="--replicas: the Ray cluster to join, e.g. auto (default: a new local one)")
+    sv.add_argument("--threads-per-replica", type=_count, default=1, help="--replicas: CPU threads (and Ray CPUs) of each "
+                    "replica (default: 1)")
     sv.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("train", formatter_class=_Help, help="train retention gates or DeltaKV's codec on the frozen model")

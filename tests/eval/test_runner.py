@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common import toy_task_file
 from conftest import tiny_config, tiny_tokenizer
 from kvcompress.cli import main as cli_main
 from kvcompress.eval.report import eval_markdown, plot_accuracy_vs_kr, plot_accuracy_vs_kr_by_task
@@ -25,14 +26,7 @@ def tiny():
 
 @pytest.fixture
 def task_file(tmp_path):
-    gen = torch.Generator().manual_seed(0)
-    path = tmp_path / "tasks.jsonl"
-    with path.open("w") as handle:
-        for i in range(3):
-            words = " ".join(f"w{int(x)}" for x in torch.randint(2, 60, (90,), generator=gen))
-            row = {"id": f"s{i}", "context": words, "question": "w5 w6", "answers": ["w7"], "task": "toy", "metric": "contains"}
-            handle.write(json.dumps(row) + "\n")
-    return path
+    return toy_task_file(tmp_path / "tasks.jsonl")
 
 
 def _settings(task_file, **kw):

@@ -1,13 +1,11 @@
 """GVote: top-p budgets, sampled future queries, the GQA × samples union, determinism, adaptive sizes."""
 
-import json
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from common import kept_positions, layers_of, left_padded_batch, random_layer, tiny_model
+from common import kept_positions, layers_of, left_padded_batch, random_layer, tiny_model, toy_task_file
 from conftest import tiny_config, tiny_tokenizer
 from kvcompress import CompressedCache, get_method
 from kvcompress.eval.runner import EvalSettings, method_grid, run_eval
@@ -433,12 +431,7 @@ def test_eval_runs_gvote_once_and_reports_its_realized_budget(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     model.generation_config.eos_token_id = None
-    path = tmp_path / "tasks.jsonl"
-    gen = torch.Generator().manual_seed(0)
-    with path.open("w") as handle:
-        for i in range(2):
-            words = " ".join(f"w{int(x)}" for x in torch.randint(2, 60, (90,), generator=gen))
-            handle.write(json.dumps({"id": f"s{i}", "context": words, "question": "w5 w6", "answers": ["w7"], "task": "toy", "metric": "contains"}) + "\n")
+    path = toy_task_file(tmp_path / "tasks.jsonl", samples=2)
 
     def settings(**kw):
         return EvalSettings(methods=["gvote", "snapkv"], budgets=[16], tasks=[], task_files=[str(path)], samples=2, max_new_tokens=4, **kw)

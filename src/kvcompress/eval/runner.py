@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from statistics import mean
 
@@ -123,30 +123,56 @@ def run_eval(model, tokenizer, settings: EvalSettings, progress: bool = True,
     ``on_prediction`` sees each prediction as soon as it exists (the CLI appends it to
     predictions.jsonl, so a long run that stops early keeps what it did). ``done`` holds the
     predictions of an interrupted run by ``prediction_key``: they are not run again, and the
-    result is the same list, in the same order, as an uninterrupted run's.
+    result is the same list, in the same order, as an uninterrupted run's. ``eval/ray.py`` runs
+    the same samples sharded over Ray actors.
     """
-    grid = method_grid(settings)
-    for method in grid:  # a method that cannot run on this model fails before the first sample
-        method.check_model(model.config)
+    grid = checked_grid(settings, model)
     samples = load_samples(settings, tokenizer)
     done = done or {}
     start = time.perf_counter()
-    predictions = []
+    made: dict[tuple, Prediction] = {}
     bar = tqdm(total=len(samples) * len(grid), desc="eval", disable=not progress, unit="run")
     for sample in samples:
-        todo = [m for m in grid if prediction_key(sample.task, sample.id, m.variant, m.budget, m.ratio) not in done]
-        outputs = _run_sample(model, tokenizer, sample, grid, todo, settings)
-        for method in grid:
-            key = prediction_key(sample.task, sample.id, method.variant, method.budget, method.ratio)
-            if key in done:
-                predictions.append(done[key])
-            else:
-                predictions.append(_prediction(sample, method, next(outputs)))
-                if on_prediction is not None:
-                    on_prediction(predictions[-1])
+        methods = todo(sample, grid, done)
+        bar.update(len(grid) - len(methods))
+        for prediction in sample_predictions(model, tokenizer, sample, grid, methods, settings):
+            made[key_of(prediction)] = prediction
+            if on_prediction is not None:
+                on_prediction(prediction)
             bar.update(1)
     bar.close()
+    predictions = in_grid_order(samples, grid, {**done, **made})
     return aggregate(predictions), predictions, time.perf_counter() - start
+
+
+def checked_grid(settings: EvalSettings, model) -> list[Policy]:
+    """The grid, every method checked against the model first (one that cannot run fails before any sample)."""
+    grid = method_grid(settings)
+    for method in grid:
+        method.check_model(model.config)
+    return grid
+
+
+def todo(sample: Sample, grid: list[Policy], done: dict[tuple, Prediction]) -> list[Policy]:
+    """The methods of ``grid`` not yet run on ``sample``."""
+    return [m for m in grid if prediction_key(sample.task, sample.id, m.variant, m.budget, m.ratio) not in done]
+
+
+def key_of(prediction: Prediction) -> tuple:
+    return prediction_key(prediction.task, prediction.id, prediction.method, prediction.budget, prediction.ratio)
+
+
+def in_grid_order(samples: list[Sample], grid: list[Policy], by_key: dict[tuple, Prediction]) -> list[Prediction]:
+    """Every sample × method's prediction, sample by sample, each in the grid's order (how a run lists them)."""
+    return [by_key[prediction_key(s.task, s.id, m.variant, m.budget, m.ratio)] for s in samples for m in grid]
+
+
+def sample_predictions(model, tokenizer, sample: Sample, grid: list[Policy], methods: list[Policy],
+                       settings: EvalSettings) -> Iterator[Prediction]:
+    """The predictions of ``methods`` (a part of ``grid``, in its order) on one sample, each as it is made."""
+    outputs = _run_sample(model, tokenizer, sample, grid, methods, settings)
+    for method, out in zip(methods, outputs):
+        yield _prediction(sample, method, out)
 
 
 def count_runs(settings: EvalSettings, tokenizer) -> int:

@@ -44,6 +44,15 @@ class _Metrics:
         self.latency = Histogram("kvcompress_request_latency_seconds", "time to the whole answer", registry=self.registry,
                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
+    def refresh(self, llm: LLM, loop: EngineLoop) -> None:
+        """Set the gauges that read the engine's state (before each scrape)."""
+        running, waiting = loop.counts
+        self.pool_used.set(llm.pool.used_bytes)
+        self.pool_capacity.set(llm.pool.capacity_bytes)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.engine_errors.set(loop.errors)
+
 
 def build_app(llm: LLM, *, model_name: str, method: Policy, limits: Limits | None = None, max_queued: int = 256,
               grace_s: float = 10.0) -> FastAPI:
@@ -79,12 +88,7 @@ def build_app(llm: LLM, *, model_name: str, method: Policy, limits: Limits | Non
 
     @app.get("/metrics")
     async def prometheus():
-        running, waiting = state["loop"].counts
-        metrics.pool_used.set(llm.pool.used_bytes)
-        metrics.pool_capacity.set(llm.pool.capacity_bytes)
-        metrics.running.set(running)
-        metrics.waiting.set(waiting)
-        metrics.engine_errors.set(state["loop"].errors)
+        metrics.refresh(llm, state["loop"])
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def serve(request: Request, chat: bool):
@@ -209,19 +213,26 @@ def _prompt_ids(llm: LLM, parsed: protocol.Parsed, limits: Limits) -> list[int]:
 
 
 async def _wait(request: Request, loop: EngineLoop, jobs: list, queue: asyncio.Queue):
-    """The outputs of a non-streamed request, by index; None (and every answer aborted) when the client disconnects."""
+    """The outputs of a non-streamed request, by index; None (and every answer aborted) when the client disconnects.
+    A handler cancelled while it waits (its server stops it, or a caller in front of it, such as the Ray router,
+    gives up) aborts its answers too, so no slot stays held for an answer nobody reads."""
     outputs: dict[int, object] = {}
-    while len(outputs) < len(jobs):
-        try:
-            index, event = await asyncio.wait_for(queue.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                for job in jobs:
-                    loop.abort(job)
-                return None
-            continue
-        if event.output is not None:
-            outputs[index] = event.output
+    try:
+        while len(outputs) < len(jobs):
+            try:
+                index, event = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    for job in jobs:
+                        loop.abort(job)
+                    return None
+                continue
+            if event.output is not None:
+                outputs[index] = event.output
+    except asyncio.CancelledError:
+        for job in jobs:
+            loop.abort(job)
+        raise
     return [outputs[i] for i in range(len(jobs))]
 
 
