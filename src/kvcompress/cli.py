@@ -516,6 +516,46 @@ def cmd_corpus(args) -> int:
     return 0
 
 
+def cmd_leaderboard(args) -> int:
+    """Every method × ratio × protocol × model on the built-in tasks: one eval per model × protocol in
+    ``--out/<model>/<protocol>`` (a finished one is kept, an unfinished one resumed), then the page and its plot."""
+    from .eval import leaderboard
+
+    unknown = sorted(set(args.protocols) - set(leaderboard.PROTOCOLS))
+    if unknown:
+        raise ValueError(f"unknown protocol {', '.join(unknown)}; choose from {', '.join(leaderboard.PROTOCOLS)}")
+    out = Path(args.out)
+    methods = args.methods or ",".join(leaderboard.METHODS)
+    ratios = args.ratios or ",".join(map(str, leaderboard.RATIOS))
+    for model in args.models:
+        for protocol in args.protocols:
+            folder = leaderboard.cell_dir(out, model, protocol)
+            if _finished(folder):
+                continue
+            argv = ["eval", "--model", model, "--methods", methods, "--ratios", ratios,
+                    "--samples", str(args.samples), "--context-tokens", str(args.context_tokens), "--seed", str(args.seed),
+                    "--out", str(folder), *(["--query-aware"] if leaderboard.PROTOCOLS[protocol] else []),
+                    *(["--resume"] if (folder / "results.json").is_file() else []), *(["--quiet"] if args.quiet else []),
+                    *(["--ray"] if args.ray else []), *(["--workers", str(args.workers)] if args.workers else []),
+                    *(["--ray-address", args.ray_address] if args.ray_address else [])]
+            print(f"leaderboard: {Path(model).name}, {protocol}", file=sys.stderr)
+            code = main(argv)
+            if code:
+                return code
+    page = Path(args.page) if args.page else out / "leaderboard.md"
+    command = " ".join(["kvcompress leaderboard", "--models", ",".join(args.models), "--samples", str(args.samples),
+                        "--context-tokens", str(args.context_tokens), "--out", str(out), *(["--page", str(page)] if args.page else []),
+                        *(["--methods", f"'{args.methods}'"] if args.methods else []), *(["--ratios", args.ratios] if args.ratios else [])])
+    leaderboard.write(out, args.models, page, command)
+    print(f"leaderboard in {page} (plot: {page.with_name('leaderboard.png')})")
+    return 0
+
+
+def _finished(folder: Path) -> bool:
+    results = folder / "results.json"
+    return results.is_file() and not json.loads(results.read_text()).get("partial", True)
+
+
 def cmd_methods(args) -> int:
     """List the methods (presets: paper, parts, size, options with their values) and the parts they are made
     of (role, what each does, options with defaults), so that ``name:option=value+part:option=value`` can be written."""
@@ -752,6 +792,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress output")
     c.add_argument("--debug", action="store_true", help="show the traceback of an expected error too")
     c.set_defaults(func=cmd_corpus)
+
+    lb = sub.add_parser("leaderboard", formatter_class=_Help, help="every method × ratio × protocol × model on the built-in "
+                        "tasks → a leaderboard page and plot (resumable: run it again to finish)")
+    lb.add_argument("--models", type=lambda t: [m for m in t.split(",") if m], default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b"],
+                    help="comma-separated models (names, checkpoint dirs or .gguf files)")
+    lb.add_argument("--methods", default=None, help="comma-separated methods or specs (default: every preset and kvzip+kivi:bits=4)")
+    lb.add_argument("--ratios", type=_numbers(float), default=None, help="default: 0.05,0.1,0.25,0.5")
+    lb.add_argument("--protocols", type=lambda t: [p for p in t.split(",") if p], default=["question-after", "question-compressed"],
+                    help="question-after (query-agnostic) and/or question-compressed (query-aware)")
+    lb.add_argument("--samples", type=_count, default=4, help="samples per built-in task (5 tasks: 20 per cell)")
+    lb.add_argument("--context-tokens", type=_count, default=1024)
+    lb.add_argument("--seed", type=int, default=0)
+    lb.add_argument("--out", default="runs/leaderboard", help="folder of the evals (one per model × protocol)")
+    lb.add_argument("--page", default=None, help="the markdown page to write, leaderboard.png beside it (default: OUT/leaderboard.md; "
+                    "the project's: docs/leaderboard.md)")
+    lb.add_argument("--ray", action="store_true", help="shard each eval over Ray actors (needs kvcompress[ray])")
+    lb.add_argument("--workers", type=_count, default=None, help="--ray: actors of one CPU each")
+    lb.add_argument("--ray-address", default=None, help="--ray: the cluster to join")
+    lb.add_argument("--quiet", action="store_true", help="no progress output")
+    lb.add_argument("--debug", action="store_true", help="show the traceback of an expected error too")
+    lb.set_defaults(func=cmd_leaderboard)
 
     m = sub.add_parser("methods", formatter_class=_Help, help="list the methods")
     m.set_defaults(func=cmd_methods)

@@ -75,7 +75,7 @@ def plot_accuracy_vs_kr(rows: list[dict], path: Path, title: str, axis: str = "k
 def accuracy_figure(rows: list[dict], title: str, axis: str = "kr"):
     task = "all" if any(r["task"] == "all" for r in rows) else rows[0]["task"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    _draw_task(ax, rows, task, axis)
+    draw_task(ax, rows, task, axis)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
@@ -95,7 +95,7 @@ def accuracy_by_task_figure(rows: list[dict], title: str):
     grid_rows = (len(tasks) + cols - 1) // cols
     fig, axes = plt.subplots(grid_rows, cols, figsize=(4.2 * cols, 3.4 * grid_rows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
-        _draw_task(ax, rows, task)
+        draw_task(ax, rows, task)
         ax.set_title(task, fontsize=10)
     spare = list(axes.flat)[len(tasks):]
     for ax in spare:
@@ -145,7 +145,8 @@ def method_style(name: str) -> dict:
             "marker": VARIANT_MARKERS[code // len(VARIANT_LINES) % len(VARIANT_MARKERS)]}
 
 
-def _draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
+def draw_task(ax, rows: list[dict], task: str, axis: str = "kr") -> None:
+    """One panel: a task's (or ``"all"``'s) score against ``axis``, a line or point per method in its own style."""
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
         if r["task"] == task:

@@ -1,0 +1,45 @@
+"""``kvcompress leaderboard`` end to end on a tiny model and a 2-sample grid: every cell in the page, resumable."""
+
+import re
+
+from kvcompress.cli import main as cli_main
+from kvcompress.eval.leaderboard import PROTOCOLS
+
+METHODS = ["snapkv", "streamingllm", "kivi"]
+RATIOS = [0.1, 0.5]
+
+
+def _table_rows(page: str, heading: str) -> list[list[str]]:
+    section = page.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| size")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_leaderboard_runs_every_cell_and_lists_it(tiny_checkpoint, tmp_path, capsys):
+    model = str(tiny_checkpoint("llama"))
+    argv = ["leaderboard", "--models", model, "--methods", ",".join(METHODS), "--ratios", ",".join(map(str, RATIOS)),
+            "--samples", "1", "--context-tokens", "160", "--out", str(tmp_path / "lb"), "--quiet"]
+    assert cli_main(argv) == 0
+    page = (tmp_path / "lb" / "leaderboard.md").read_text()
+    assert (tmp_path / "lb" / "leaderboard.png").stat().st_size > 10_000
+    for protocol in PROTOCOLS:
+        heading = next(h for h in re.findall(r"^## .*$", page, flags=re.M) if protocol.split("-")[1] in h)
+        rows = _table_rows(page, heading)
+        cells = {(r[0], r[1]) for r in rows}
+        expected = {("—", "full")} | {(f"{ratio:g}", m) for ratio in RATIOS for m in METHODS if m != "kivi"} | {("own", "kivi")}
+        assert cells == expected, (protocol, cells)
+        for row in rows:
+            assert re.fullmatch(r"\**\d+\.\d\**", row[2]) and float(row[3]) > 0 and int(row[7]) == 5  # 5 tasks × 1 sample
+        for ratio in RATIOS:  # one best per size, in bold
+            assert sum(r[2].startswith("**") for r in rows if r[0] == f"{ratio:g}") >= 1
+    # a second run finds every cell finished and only rewrites the page
+    (tmp_path / "lb" / "leaderboard.md").unlink()
+    capsys.readouterr()
+    assert cli_main(argv) == 0
+    assert "leaderboard:" not in capsys.readouterr().err
+    assert (tmp_path / "lb" / "leaderboard.md").read_text() == page
+
+
+def test_unknown_protocol_is_refused(tmp_path, capsys):
+    assert cli_main(["leaderboard", "--protocols", "question-before", "--out", str(tmp_path)]) == 2
+    assert "question-after" in capsys.readouterr().err
