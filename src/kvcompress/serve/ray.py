@@ -35,7 +35,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.util.metrics import Gauge
 
 from ..engine import LLM
@@ -184,7 +184,7 @@ async def _relay(stream):
 
 def _failure(error: RayError) -> APIError:
     """503 when the replica stopped (retry elsewhere), 500 for anything else Ray raised."""
-    if isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError)):
+    if isinstance(error, (RayActorError, ActorUnavailableError)):  # ActorDiedError is a RayActorError
         return APIError(503, REPLICA_STOPPED.format(error=type(error).__name__), type="server_error")
     return APIError(500, f"internal error in an engine replica ({type(error).__name__}: {error})", type="server_error")
 

