@@ -19,14 +19,13 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from openai import OpenAI
 
 from kvcompress.serve import wait_healthy
-from serve_load import free_port, prompts  # benchmarks/, this script's folder
+from serve_load import at_once, free_port, prompts  # benchmarks/, this script's folder
 
 SETUPS = {"one": [], "ray-1x2": ["--replicas", "1", "--threads-per-replica", "2"],
           "ray-2x1": ["--replicas", "2", "--threads-per-replica", "1"]}
@@ -61,13 +60,7 @@ def serve(setup: str, args) -> dict:
             except Exception as error:  # noqa: BLE001 - counted
                 errors.append(repr(error))
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+        wall = at_once(args.clients, one)
         return {"setup": setup, "latency_s_median": statistics.median(latencies), "latency_s_min": min(latencies),
                 "clients": args.clients, "errors": len(errors), "load_wall_s": wall, "requests_per_s": (args.clients - len(errors)) / wall,
                 "tokens_per_s": sum(tokens) / wall}

@@ -44,6 +44,17 @@ def prompts(count: int, tokens: int) -> list[str]:
             for i in range(count)]
 
 
+def at_once(count: int, one) -> float:
+    """Run ``one(i)`` for every i < ``count``, each in its own thread, all at once; the wall seconds until all end."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
 def run(method: str, args) -> dict:
     name, *options = method.split(":")
     size = dict(option.split("=") for option in options)
@@ -76,13 +87,7 @@ def run(method: str, args) -> dict:
             except Exception as error:  # noqa: BLE001 - counted
                 errors.append(repr(error))
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+        wall = at_once(args.clients, one)
         gauges = {line.split()[0]: float(line.split()[1]) for line in httpx.get(url + "/metrics").text.splitlines()
                   if line.startswith("kvcompress_kv_pool") or line.startswith("kvcompress_requests_running")}
         done = [r for r in results if r is not None]
