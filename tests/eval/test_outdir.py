@@ -124,8 +124,10 @@ def test_ctrl_c_in_a_subprocess_ends_in_one_line_and_a_consistent_folder(setup, 
     setup = (model, str(longer))
     out = tmp_path / "cut"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # SIGINT as a terminal sends it; a background job inherits it ignored, and Python then installs no handler
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     process = subprocess.Popen([sys.executable, "-m", "kvcompress.cli", *_argv(setup, out)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
+                               stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_sigint)
     predictions = out / "predictions.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (predictions.exists() and predictions.read_text().count("\n") >= 3):
