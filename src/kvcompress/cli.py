@@ -427,11 +427,11 @@ def cmd_serve(args) -> int:
         raise ValueError(f"kvcompress serve needs FastAPI and uvicorn: pip install 'kvcompress[serve]' ({error})") from None
     from . import LLM
 
-    method = _method(args.method, args.budget, args.ratio)
     if args.ray_address and not args.replicas:
         raise ValueError("--ray-address runs the server on a Ray cluster: add --replicas N")
     if args.replicas:
-        return _serve_on_ray(args)
+        return _serve_on_ray(args)  # its ReplicaSpec checks the method once, before any replica starts
+    method = _method(args.method, args.budget, args.ratio)
     llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed,
               max_model_len=args.max_model_len)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens or llm.max_model_len - 1,
