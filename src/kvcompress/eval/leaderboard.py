@@ -63,15 +63,23 @@ def table(rows: list[dict]) -> list[str]:
     if full is not None:
         lines.append(_line(full, full, bold=False))
     for group in groups:
-        best = max((r["score"] for r in group), default=None)
+        best = max((r["score"] for r in group if frees_memory(r)), default=None)
         for row in sorted(group, key=lambda r: (-r["score"], r["method"])):
-            lines.append(_line(row, full, bold=row["score"] == best))
+            lines.append(_line(row, full, bold=frees_memory(row) and row["score"] == best))
     return lines
+
+
+def frees_memory(row: dict) -> bool:
+    """Whether a method holds less than the full cache (kr < 1); a selection method (Quest, OmniKV) keeps every entry
+    and reads only its size's share per step, so it is listed at that size but not ranked there."""
+    return row["kr"] < 1.0
 
 
 def _line(row: dict, full: dict | None, bold: bool) -> str:
     size = "own" if row["ratio"] is None and row["budget"] is None and row["method"] != "full" else size_label(row)
     score = f"**{row['score']:.1f}**" if bold else f"{row['score']:.1f}"
+    if row["method"] != "full" and not frees_memory(row):
+        score += " †"
     compress = row["compress_s"] / row["prefill_s"] if row.get("prefill_s") else float("nan")
     decode = row["decode_ms_per_token"] / full["decode_ms_per_token"] if full and full.get("decode_ms_per_token") else float("nan")
     cr = row.get("cr")
@@ -87,7 +95,11 @@ def markdown(cells: list[dict], command: str) -> str:
              "decoding step ÷ full's; compress ÷ prefill = the compression's time over the prefill's; decode ÷ full = "
              "decode ms/token over the full cache's in the same run. Sizes are the share of the context kept; "
              "\"own\" marks methods that size themselves (placed by the kr they reach). The best score of each size "
-             "is in bold.", "", f"Regenerate: `{command}`", "", "![score against kr](leaderboard.png)", ""]
+             "among methods that free memory (kr < 1) is in bold; † marks a method holding the whole cache (kr ≥ 1), listed "
+             "but not ranked: the selection methods (Quest, OmniKV) keep every entry and read only the size's share per "
+             "decoding step. Decode ÷ full is timed on the "
+             "machine as it was (each worker on one thread): other jobs running beside the eval skew it; compare it "
+             "within one table only.", "", f"Regenerate: `{command}`", "", "![score against kr](leaderboard.png)", ""]
     for cell in cells:
         settings = cell["settings"]
         head = f"## {cell['model']}, {PROTOCOL_TITLES[cell['protocol']]}"
@@ -134,4 +146,4 @@ def write(out: Path, models: list[str], page: Path, command: str) -> list[dict]:
     return cells
 
 
-__all__ = ["METHODS", "MODELS", "PROTOCOLS", "RATIOS", "cell_dir", "load_cells", "markdown", "table", "write"]
+__all__ = ["METHODS", "MODELS", "PROTOCOLS", "RATIOS", "cell_dir", "frees_memory", "load_cells", "markdown", "table", "write"]

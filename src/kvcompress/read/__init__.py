@@ -21,7 +21,8 @@ import torch
 
 from ..store.view import KVView
 from .reference import attend_reference, attend_with_max_weights, attention_probs, group_queries, merge_lse, read_reference
-from .sdpa import prompt_attention, prompt_attention_with_sums, read_exact, read_masked
+from .sdpa import merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked
+from .paged import paged_decode
 
 
 @dataclass
@@ -47,6 +48,8 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
     full_length = view.shape[2]
     if select is not None:
         view = view.select(select)
+    if view.pages is not None and query.shape[2] == 1 and not (col_sums or reference):  # a decoding step: read in place
+        return ReadResult(*read_paged(query, view, scaling))
     if reference:
         out, lse, sums = read_reference(query, query_positions, view, scaling, col_sums)
         out = out.to(query.dtype)
@@ -58,6 +61,18 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
         sums = torch.zeros(*sums.shape[:2], full_length, dtype=sums.dtype, device=sums.device).scatter_add(
             -1, select.clamp(min=0), sums.masked_fill(select < 0, 0.0))
     return ReadResult(out, lse, sums)
+
+
+def read_paged(query: torch.Tensor, view: KVView, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding query per row [B, Hq, 1, d] over the entries where they live (``view.pages``), the summary
+    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32)."""
+    pages = view.pages
+    keys, values = pages.arrays()
+    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling)
+    out, lse = out[:, :, None], lse[:, :, None]
+    if view.summary is not None:
+        out, lse = merge_summary(query, out, lse, view.summary, view.shape[1], scaling)
+    return out, lse
 
 
 __all__ = [

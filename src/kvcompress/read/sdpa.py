@@ -88,12 +88,20 @@ def read_masked(query: torch.Tensor, query_positions: torch.Tensor, view: KVView
                               scale=scaling)
         lse = lse.float()
     lse = lse.masked_fill(~seen, float("-inf"))  # the kernel reports 0 for a query that sees nothing
+    out, lse = out.reshape(b, hq, q, d), lse.reshape(b, hq, q)
     if view.summary is not None:
-        grouped = group_queries(query, heads)
-        out_s, lse_s = view.summary.attend(grouped.float(), scaling)
-        merged, lse_m = merge_lse(out.float().view(b, heads, groups, q, d), lse.view(b, heads, groups, q), out_s, lse_s)
-        out, lse = merged.to(query.dtype).reshape(b, heads, groups * q, d), lse_m.reshape(b, heads, groups * q)
-    return out.reshape(b, hq, q, d), lse.reshape(b, hq, q), sums
+        out, lse = merge_summary(query, out, lse, view.summary, heads, scaling)
+    return out, lse, sums
+
+
+def merge_summary(query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, summary, heads: int, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The read's output [B, Hq, q, d] and lse [B, Hq, q] with what left (a ``Summary``) merged in through log-sum-exp."""
+    b, hq, q, d = query.shape
+    groups = hq // heads
+    out_s, lse_s = summary.attend(group_queries(query, heads).float(), scaling)
+    merged, lse_m = merge_lse(out.float().view(b, heads, groups, q, d), lse.view(b, heads, groups, q), out_s, lse_s)
+    return merged.to(query.dtype).view(b, hq, q, d), lse_m.view(b, hq, q)
 
 
 # ----- the prompt ----------------------------------------------------------------------------
@@ -175,4 +183,4 @@ def _mask_bias(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return bias.view(bias.shape[0], heads, groups, *bias.shape[2:])
 
 
-__all__ = ["prompt_attention", "prompt_attention_with_sums", "read_exact", "read_masked", "repeat_kv"]
+__all__ = ["merge_summary", "prompt_attention", "prompt_attention_with_sums", "read_exact", "read_masked", "repeat_kv"]

@@ -31,7 +31,7 @@ import functools
 import torch
 
 from .codecs import Codec, PlainCodec, field_bytes
-from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KVView
+from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KVView, Pages
 
 PAD_SLOT = 0
 TIER_SHIFT = 27  # entry ids are int32: tiers 1..15 of coded blocks above 2^27 plain slots
@@ -400,17 +400,34 @@ class SlotTable:
         weights = None if self.weights is None else self.weights[rows, :, :longest]
         columns = dict(zip(self.columns, range(len(self.columns))))
         log_weights = columns.pop(self.LOG_WEIGHTS, None)
+        log_weights = None if log_weights is None else weights[..., log_weights]
+        lengths = self.lengths[rows].clone()
         return KVView(
             ids[..., 1].long(),
-            self.lengths[rows].clone(),
+            lengths,
             uniform=uniform,
             load=lambda index: pool.gather(slots if index is None else slots.gather(-1, index)),
-            log_weights=None if log_weights is None else weights[..., log_weights],
+            log_weights=log_weights,
             channels={name: weights[..., i] for name, i in columns.items()},
             summary=summary,
             page_bounds=None if self.page_bounds is None else self.page_bounds[rows, :, : -(-longest // self.page_size)],
             page_size=self.page_size,
+            pages=SlotTable._pages(pool, [(self, row) for row in range(*rows.indices(self.num_rows))], lengths),
         )
+
+    @staticmethod
+    def _pages(pool: SlotPool, rows: list[tuple[SlotTable, int]], lengths: torch.Tensor) -> Pages | None:
+        """The in-place form of ``rows`` (table, row): per row a view of its slot column and log-weights; None
+        when an entry is coded (only plain slots are read in place)."""
+        if not isinstance(pool.codec, PlainCodec):
+            return None
+        if pool.tiers and any(bool((table.ids[row, :, : table.span(slice(row, row + 1))[0], 0] >> TIER_SHIFT).any())
+                              for table, row in rows):
+            return None
+        weights = [table.weights[row, :, :, table.columns.index(table.LOG_WEIGHTS)] if table.LOG_WEIGHTS in table.columns else None
+                   for table, row in rows]
+        return Pages(lambda: (pool.arrays["keys"], pool.arrays["values"]), [table.ids[row, :, :, 0] for table, row in rows], lengths,
+                     weights)
 
     @staticmethod
     def joint_view(pool: SlotPool, parts: list[tuple[SlotTable, Rows, object]]) -> KVView:
@@ -420,23 +437,36 @@ class SlotTable:
         spans = [table.span(rows) for table, rows, _ in parts]
         longest = max(span[0] for span in spans)
         tables = [(table, _all(rows)) for table, rows, _ in parts]
-        ids = torch.cat([_padded(table.ids[rows, :, : span[0]], longest, PAD_IDS) for (table, rows), span in zip(tables, spans)])
-        log_weights = None
-        if any(table.LOG_WEIGHTS in table.columns for table, _ in tables):
-            log_weights = torch.cat([
+        lengths = torch.cat([table.lengths[rows] for table, rows in tables])
+
+        @functools.cache
+        def ids() -> torch.Tensor:  # the joint (slot, position) table, made only for a read that is not in place
+            return torch.cat([_padded(table.ids[rows, :, : span[0]], longest, PAD_IDS) for (table, rows), span in zip(tables, spans)])
+
+        def log_weights() -> torch.Tensor | None:
+            if not any(table.LOG_WEIGHTS in table.columns for table, _ in tables):
+                return None
+            return torch.cat([
                 _padded(table.weights[rows, :, : span[0], table.columns.index(table.LOG_WEIGHTS)], longest, 0.0)
-                if table.LOG_WEIGHTS in table.columns else torch.zeros(*table.ids[rows].shape[:2], longest, device=ids.device)
+                if table.LOG_WEIGHTS in table.columns else torch.zeros(*table.ids[rows].shape[:2], longest, device=table.device)
                 for (table, rows), span in zip(tables, spans)
             ])
+
+        def load(index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            slots = ids()[..., 0]
+            return pool.gather(slots if index is None else slots.gather(-1, index))
+
         summaries = [summary for _, _, summary in parts]
-        slots = ids[..., 0]
+        rows = [(table, row) for table, span in tables for row in range(*span.indices(table.num_rows))]
         return KVView(
-            ids[..., 1].long(),
-            torch.cat([table.lengths[rows] for table, rows in tables]),
+            lambda: ids()[..., 1].long(),
+            lengths,
+            shape=(lengths.shape[0], lengths.shape[1], longest),
             uniform=all(span == (longest, True) for span in spans),
-            load=lambda index: pool.gather(slots if index is None else slots.gather(-1, index)),
+            load=load,
             log_weights=log_weights,
             summary=None if all(s is None for s in summaries) else RowSummaries(summaries, [table.ids[rows].shape[0] for table, rows in tables]),
+            pages=SlotTable._pages(pool, rows, lengths),
         )
 
     # ----- writing -------------------------------------------------------------------------

@@ -36,27 +36,55 @@ class Summary(Protocol):
     def nbytes(self) -> int: ...
 
 
+@dataclass
+class Pages:
+    """Where a view's entries live, for a reader that reads them in place (``read/paged.py``).
+
+    ``arrays()``: the pool's plain keys and values [S, d] as they are when read. Per batch row, ``tables`` an int32 slot table
+    [H, ≥ L] (a view of the store's own table: nothing concatenated or copied; slot 0 = padding or a
+    hole, skipped) and ``log_weights`` its float32 log-weights [H, ≥ L] (None: none). ``lengths`` int64
+    [B, H]: the columns of each head to read. Only for entries at or before every query that reads
+    them through the pages (a decoding step): the pages carry no positions.
+    """
+
+    arrays: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    tables: list[torch.Tensor]
+    lengths: torch.Tensor
+    log_weights: list[torch.Tensor | None]
+
+    def select(self, index: torch.Tensor) -> Pages:
+        """The entries at ``index`` [B, H, k] of each head (-1: a hole)."""
+        hole, safe = index < 0, index.clamp(min=0).long()
+        tables = [t.gather(-1, safe[r]).masked_fill_(hole[r], 0) for r, t in enumerate(self.tables)]
+        weights = [None if w is None else w.gather(-1, safe[r]) for r, w in enumerate(self.log_weights)]
+        return Pages(self.arrays, tables, torch.full(index.shape[:2], index.shape[2], dtype=torch.long), weights)
+
+
 class KVView:
     """One layer's entries for a batch, padded to the longest head (see the module docstring).
 
     Args:
         positions: int64 [B, H, L], original token positions (padding holds a position after
-            every real one, so causality alone hides it).
+            every real one, so causality alone hides it); or a function giving them on first use
+            (then ``shape`` is required).
         lengths: int64 [B, H] on the CPU, entries per head.
         load: ``load(index)`` returns (keys, values) [B, H, L, d] — or, given an index [B, H, k],
             only those entries — on first access (None: give them directly).
         keys, values: the entries, when already materialized.
-        log_weights: float32 [B, H, L] added to the logits (KeepKV's votes), or None.
+        log_weights: float32 [B, H, L] added to the logits (KeepKV's votes), None, or a function
+            giving them (or None) on first use.
         channels: per-entry method state, float32 [B, H, L] each (H2O's scores, EMA).
         summary: what left, merged into every read.
         uniform: True when the caller knows every head holds L entries (skips the check).
         page_bounds: [B, H, pages, 2, d], each channel's min and max key over every ``page_size``
             consecutive entries (pages past a head's length mean nothing), when the store keeps them.
+        pages: where the entries live, when a decoding read may read them in place (``Pages``).
+        shape: (B, H, L), given with lazy positions.
     """
 
     def __init__(
         self,
-        positions: torch.Tensor,
+        positions: torch.Tensor | Callable[[], torch.Tensor],
         lengths: torch.Tensor,
         *,
         load: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -68,12 +96,18 @@ class KVView:
         uniform: bool | None = None,
         page_bounds: torch.Tensor | None = None,
         page_size: int = 0,
+        pages: Pages | None = None,
+        shape: tuple[int, int, int] | None = None,
     ):
         if load is None and (keys is None or values is None):
             raise ValueError("a KVView needs its keys and values or a loader for them")
-        self.positions = positions
+        if callable(positions) and shape is None:
+            raise ValueError("a KVView with lazy positions needs its shape")
+        self._positions = positions
+        self._shape = tuple(shape) if shape is not None else tuple(positions.shape)  # type: ignore[union-attr]
         self.lengths = lengths
-        self.log_weights = log_weights
+        self._log_weights = log_weights
+        self.pages = pages
         self.channels = dict(channels or {})
         self.summary = summary
         self.page_bounds, self.page_size = page_bounds, page_size
@@ -91,11 +125,23 @@ class KVView:
             positions = positions.masked_fill(~valid, PAD_POSITION)
         return cls(positions, lengths, keys=keys, values=values, log_weights=log_weights, channels=channels, summary=summary)
 
+    @property
+    def positions(self) -> torch.Tensor:
+        if callable(self._positions):
+            self._positions = self._positions()
+        return self._positions
+
+    @property
+    def log_weights(self) -> torch.Tensor | None:
+        if callable(self._log_weights):
+            self._log_weights = self._log_weights()
+        return self._log_weights
+
     # ----- shape ---------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int, int]:
         """(B, H, L)."""
-        return tuple(self.positions.shape)  # type: ignore[return-value]
+        return self._shape  # type: ignore[return-value]
 
     @property
     def uniform(self) -> bool:
@@ -106,7 +152,7 @@ class KVView:
     def valid(self) -> torch.Tensor | None:
         """bool [B, H, L], False on padding; None when every head holds L entries."""
         if self._valid is False:
-            length = self.positions.shape[-1]
+            length = self._shape[-1]
             if bool((self.lengths == length).all()):
                 self._valid = None
             else:
@@ -150,7 +196,8 @@ class KVView:
             load = lambda _: self._load(safe)  # noqa: E731
         return KVView(self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION), (~hole).sum(-1).cpu(), load=load,
                       keys=keys, values=values, log_weights=pick(self.log_weights),
-                      channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary)
+                      channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary,
+                      pages=None if self.pages is None else self.pages.select(index))
 
     def flat(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, H, L, ...] → the real entries [N, ...], head after head."""
@@ -280,4 +327,4 @@ def edited_entries(view: KVView, edit: Edit) -> Entries:
     return Entries(keys, values, view.positions, valid, log_weights, {**view.channels, **edit.channels})
 
 
-__all__ = ["edited_entries", "PAD_POSITION", "UNCHANGED", "Edit", "Entries", "KVView", "LayerContext", "LayerInput", "Rewrite", "Summary"]
+__all__ = ["edited_entries", "PAD_POSITION", "UNCHANGED", "Edit", "Entries", "KVView", "Pages", "LayerContext", "LayerInput", "Rewrite", "Summary"]

@@ -1,0 +1,115 @@
+"""Paged decode attention: one decoding query per row reads its entries where they live in the slot pool.
+
+    paged_decode(query, keys, values, tables, lengths, log_weights, scaling) -> (out, lse)
+
+The contract (every implementation, tested against ``reference.py``): ``query`` [R, Hq, d] (one decoding
+query per row, at or after every entry it reads: no causal mask); ``keys``, ``values`` [S, d] the pool's
+plain arrays; ``tables`` one int32 [H, L_r] slot table per row (any strides: a view of the store's own
+table, so nothing is concatenated or copied), slot 0 = a hole (padding, or an entry a selection left
+out), skipped; ``lengths`` int64 [R, H], the entries of each head; ``log_weights`` one float32 [H, L_r]
+per row or None, added to the logits. Returns ``out`` [R, Hq, d] in the query's dtype and ``lse``
+[R, Hq] float32 (-inf where a head holds nothing, whose output is 0).
+
+* On the CPU: a small C++ kernel (``csrc/paged_decode.cpp``), compiled on first use with the system's C++
+  compiler through ``torch.utils.cpp_extension`` and cached (``make setup`` builds it; ``python -m
+  kvcompress.read.paged`` builds it by hand). Each KV head's entries are cut into chunks read in
+  parallel (flash-decoding) with an online softmax in float32; a key or value row is loaded once for
+  its GQA group, straight from the pool, in the pool's dtype (float32, bfloat16 or float16).
+* On a CUDA GPU: the same in Triton (``paged_triton.py``; tested on the CPU through Triton's interpreter).
+* Elsewhere, or where neither is available: ``paged_decode_torch``, the same contract in plain PyTorch
+  (it gathers the entries first).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_built: object | None = None
+_failed: str | None = None
+
+
+def cpu_kernel():
+    """The compiled CPU kernel's module (built and cached on first use), or None when it cannot be built."""
+    global _built, _failed
+    if _built is None and _failed is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            _ninja_on_path()
+            _built = load(name="kvcompress_paged_decode", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as error:  # no compiler, no headers: the plain PyTorch path still reads correctly
+            _failed = f"{type(error).__name__}: {error}"
+            log.warning("the paged decode kernel could not be built (%s); decoding gathers entries in PyTorch instead", _failed)
+    return _built
+
+
+def triton_kernel():
+    """The Triton read (``paged_triton.paged_decode_triton``), or None where Triton is not installed."""
+    try:
+        from .paged_triton import paged_decode_triton
+    except ImportError:
+        return None
+    return paged_decode_triton
+
+
+def _ninja_on_path() -> None:
+    """Put the ``ninja`` package's binary (a dependency) on PATH, where torch's extension builder looks for it."""
+    try:
+        import ninja
+    except ImportError:  # a system ninja may still be there
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
+                 log_weights: list[torch.Tensor | None] | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over slot tables (see the module docstring): (out [R, Hq, d], lse [R, Hq] float32)."""
+    if query.device.type == "cuda" and (triton_read := triton_kernel()) is not None:
+        return triton_read(query, keys, values, tables, lengths, log_weights, scaling)
+    kernel = cpu_kernel() if query.device.type == "cpu" else None
+    if kernel is None:
+        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling)
+    weights = [torch.empty(0) if w is None else w for w in (log_weights or [None] * len(tables))]
+    scaled = (query.float() * scaling).contiguous()
+    out, lse = kernel.paged_decode(scaled, keys, values, tables, lengths.to(torch.long).contiguous(), weights)
+    return out.to(query.dtype), lse
+
+
+def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
+                       lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract in plain PyTorch, float32 math: gather each row's entries, mask holes and padding, attend."""
+    rows, hq, d = query.shape
+    heads = lengths.shape[1]
+    groups = hq // heads
+    longest = int(lengths.max()) if lengths.numel() else 0
+    span = torch.arange(longest, device=query.device)
+    slots = torch.stack([t[:, :longest].long() for t in tables]) if longest else torch.zeros(rows, heads, 0, dtype=torch.long)
+    seen = (span < lengths.to(query.device)[..., None]) & (slots != 0)  # [R, H, L]
+    bias = torch.zeros(rows, heads, longest, device=query.device)
+    if log_weights is not None:
+        for r, w in enumerate(log_weights):
+            if w is not None:
+                bias[r] = w[:, :longest].float()
+    bias = bias.masked_fill(~seen, -math.inf)
+    index = slots.masked_fill(~seen, 0).reshape(-1)
+    k = keys.index_select(0, index).view(rows, heads, longest, d).float()
+    v = values.index_select(0, index).view(rows, heads, longest, d).float()
+    q = query.float().view(rows, heads, groups, d)
+    logits = torch.einsum("rhgd,rhld->rhgl", q, k) * scaling + bias[:, :, None]
+    lse = torch.logsumexp(logits, dim=-1)  # -inf where a head sees nothing
+    probs = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("rhgl,rhld->rhgd", probs, v)
+    return out.reshape(rows, hq, d).to(query.dtype), lse.reshape(rows, hq)
+
+
+if __name__ == "__main__":  # make setup: build (and cache) the CPU kernel now rather than at the first decoding step
+    print("paged decode kernel:", "built" if cpu_kernel() is not None else f"not built ({_failed})")

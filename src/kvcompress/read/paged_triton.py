@@ -1,0 +1,104 @@
+"""The paged decode read in Triton (GPUs; tested on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``).
+
+Same contract as ``paged.paged_decode`` (see its module docstring). The rows' slot tables (and log-weights)
+are stacked into one int32 [R, H, L] table first (4 bytes per entry, against the 2·d·bytes of the entry it
+names). A program reads one split of ``SPLIT`` entries of one (row, KV head) in blocks of ``BLOCK``: it
+loads the slots, then the keys and values they name straight from the pool, and keeps an online softmax
+for the head's GQA group in float32 (flash-decoding); the splits are merged by log-sum-exp afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SPLIT = 512
+BLOCK = 64
+
+
+@triton.jit
+def _split_kernel(query, keys, values, slots, lengths, weights, part_acc, part_max, part_sum, scaling, table_row_stride,
+                  table_head_stride, splits, HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr,
+                  DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+    row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lengths + row * HEADS + head)
+    begin = split * SPLIT
+    end = tl.minimum(length, begin + SPLIT)
+    group = tl.arange(0, GROUPS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    in_dim = dims < DIM
+    query_rows = (row * HEADS + head) * GROUPS + group
+    q = tl.load(query + query_rows[:, None] * DIM + dims[None, :], mask=(group < GROUPS)[:, None] & in_dim[None, :], other=0.0)
+    q = q.to(tl.float32) * scaling
+    top = tl.full([GROUPS_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUPS_PAD], tl.float32)
+    acc = tl.zeros([GROUPS_PAD, DIM_PAD], tl.float32)
+    table = slots + row * table_row_stride + head * table_head_stride
+    for start in range(begin, end, BLOCK):
+        column = start + tl.arange(0, BLOCK)
+        inside = column < end
+        slot = tl.load(table + column, mask=inside, other=0)
+        seen = inside & (slot != 0)  # slot 0: padding or a hole
+        where = slot.to(tl.int64)[:, None] * DIM + dims[None, :]
+        k = tl.load(keys + where, mask=seen[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+        v = tl.load(values + where, mask=seen[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GROUPS_PAD, BLOCK]
+        if HAS_WEIGHTS:
+            logits += tl.load(weights + row * table_row_stride + head * table_head_stride + column, mask=inside, other=0.0)[None, :]
+        logits = tl.where(seen[None, :], logits, float("-inf"))
+        new_top = tl.maximum(top, tl.max(logits, 1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        rescale = tl.exp(top - shift)  # 0 while nothing was seen
+        p = tl.exp(logits - shift[:, None])  # 0 on holes
+        total = total * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        top = new_top
+    part = (row * HEADS + head) * splits + split
+    tl.store(part_acc + (part * GROUPS_PAD + group)[:, None] * DIM_PAD + dims[None, :], acc)
+    tl.store(part_max + part * GROUPS_PAD + group, top)
+    tl.store(part_sum + part * GROUPS_PAD + group, total)
+
+
+def _stacked(tables: list[torch.Tensor], length: int, fill) -> torch.Tensor:
+    """Per-row [H, ≥ ...] tables → one contiguous [R, H, length] (``fill`` past a table's columns)."""
+    return torch.stack([F.pad(t[:, :length], (0, max(0, length - t.shape[1])), value=fill) for t in tables]).contiguous()
+
+
+def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
+                        lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged.paged_decode``'s contract in Triton: (out [R, Hq, d] in the query's dtype, lse [R, Hq] float32)."""
+    rows, hq, dim = query.shape
+    heads = lengths.shape[1]
+    groups = hq // heads
+    device = query.device
+    longest = max(1, int(lengths.max())) if lengths.numel() else 1
+    slots = _stacked(tables, longest, 0)
+    weights = None
+    if log_weights is not None and any(w is not None for w in log_weights):
+        weights = _stacked([torch.zeros_like(t, dtype=torch.float32) if w is None else w.float() for t, w in zip(tables, log_weights)],
+                           longest, 0.0)
+    splits = triton.cdiv(longest, SPLIT)
+    groups_pad, dim_pad = max(16, triton.next_power_of_2(groups)), max(16, triton.next_power_of_2(dim))
+    part_acc = torch.empty(rows, heads, splits, groups_pad, dim_pad, dtype=torch.float32, device=device)
+    part_max = torch.empty(rows, heads, splits, groups_pad, dtype=torch.float32, device=device)
+    part_sum = torch.empty_like(part_max)
+    _split_kernel[(rows, heads, splits)](
+        query.contiguous(), keys, values, slots, lengths.to(device=device, dtype=torch.int64).contiguous(),
+        slots if weights is None else weights, part_acc, part_max, part_sum, scaling, slots.stride(0), slots.stride(1), splits,
+        HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad, SPLIT=SPLIT, BLOCK=BLOCK,
+        HAS_WEIGHTS=weights is not None)
+    # merge the splits: each one's unnormalised output and sum, rescaled to the largest max
+    part_max, part_sum = part_max[..., :groups], part_sum[..., :groups]
+    part_acc = part_acc[..., :groups, :dim]
+    top = part_max.amax(2, keepdim=True)
+    scale = torch.exp(part_max - torch.where(torch.isinf(top), 0.0, top))  # 0 for an empty split
+    total = (part_sum * scale).sum(2)  # [R, H, G]
+    out = (part_acc * scale[..., None]).sum(2) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, top[:, :, 0] + torch.log(total), float("-inf"))
+    return out.reshape(rows, hq, dim).to(query.dtype), lse.reshape(rows, hq)
+
+
+__all__ = ["paged_decode_triton"]
