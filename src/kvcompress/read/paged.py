@@ -11,8 +11,8 @@ per row or None, added to the logits. Returns ``out`` [R, Hq, d] in the query's 
 [R, Hq] float32 (-inf where a head holds nothing, whose output is 0).
 
 * On the CPU: a small C++ kernel (``csrc/paged_decode.cpp``), compiled on first use with the system's C++
-  compiler through ``torch.utils.cpp_extension`` and cached (``make setup`` builds it; ``python -m
-  kvcompress.read.paged`` builds it by hand). Each KV head's entries are cut into chunks read in
+  compiler through ``torch.utils.cpp_extension`` and cached (``make setup`` builds it; ``python -c "from
+  kvcompress.read.paged import build; build()"`` builds it by hand). Each KV head's entries are cut into chunks read in
   parallel (flash-decoding) with an online softmax in float32; a key or value row is loaded once for
   its GQA group, straight from the pool, in the pool's dtype (float32, bfloat16 or float16).
 * On a CUDA GPU: the same in Triton (``paged_triton.py``; tested on the CPU through Triton's interpreter).
@@ -111,5 +111,6 @@ def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return out.reshape(rows, hq, d).to(query.dtype), lse.reshape(rows, hq)
 
 
-if __name__ == "__main__":  # make setup: build (and cache) the CPU kernel now rather than at the first decoding step
+def build() -> None:
+    """Build (and cache) the CPU kernel now rather than at the first decoding step (``make setup`` calls it)."""
     print("paged decode kernel:", "built" if cpu_kernel() is not None else f"not built ({_failed})")
