@@ -43,8 +43,9 @@ def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list
     pairs[:, :, :longest, 0][holes] = 0
     weights = torch.randn(rows, heads, longest + 5, 3, generator=gen) if weighted else None  # column 1: the log-weights
     query = torch.randn(rows, heads * groups, dim, generator=gen)
-    tables = [pairs[r, :, :, 0] for r in range(rows)]
-    log_weights = [weights[r, :, :, 1] for r in range(rows)] if weighted else None
+    capacity = [int(lengths[r].max()) + r for r in range(rows)]  # each row's table as wide as its own longest head (+ r)
+    tables = [pairs[r, :, : capacity[r], 0] for r in range(rows)]
+    log_weights = [weights[r, :, : capacity[r], 1] for r in range(rows)] if weighted else None
     index = pairs[:, :, :longest, 0].long()
     bias = torch.zeros(rows, heads, longest) if weights is None else weights[:, :, :longest, 1]
     view = KVView.of(keys[index].float(), values[index].float(), torch.zeros(rows, heads, longest, dtype=torch.long), valid=valid,

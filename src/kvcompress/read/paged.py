@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .tables import stacked
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _built: object | None = None
@@ -92,13 +94,12 @@ def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     groups = hq // heads
     longest = int(lengths.max()) if lengths.numel() else 0
     span = torch.arange(longest, device=query.device)
-    slots = torch.stack([t[:, :longest].long() for t in tables]) if longest else torch.zeros(rows, heads, 0, dtype=torch.long)
+    slots = stacked(tables, longest, 0).long()
     seen = (span < lengths.to(query.device)[..., None]) & (slots != 0)  # [R, H, L]
     bias = torch.zeros(rows, heads, longest, device=query.device)
-    if log_weights is not None:
-        for r, w in enumerate(log_weights):
-            if w is not None:
-                bias[r] = w[:, :longest].float()
+    if log_weights is not None and any(w is not None for w in log_weights):
+        bias = stacked([torch.zeros(t.shape, device=query.device) if w is None else w.float() for t, w in zip(tables, log_weights)],
+                       longest, 0.0)
     bias = bias.masked_fill(~seen, -math.inf)
     index = slots.masked_fill(~seen, 0).reshape(-1)
     k = keys.index_select(0, index).view(rows, heads, longest, d).float()

@@ -10,9 +10,10 @@ for the head's GQA group in float32 (flash-decoding); the splits are merged by l
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .tables import stacked
 
 SPLIT = 512
 BLOCK = 64
@@ -61,11 +62,6 @@ def _split_kernel(query, keys, values, slots, lengths, weights, part_acc, part_m
     tl.store(part_sum + part * GROUPS_PAD + group, total)
 
 
-def _stacked(tables: list[torch.Tensor], length: int, fill) -> torch.Tensor:
-    """Per-row [H, ≥ ...] tables → one contiguous [R, H, length] (``fill`` past a table's columns)."""
-    return torch.stack([F.pad(t[:, :length], (0, max(0, length - t.shape[1])), value=fill) for t in tables]).contiguous()
-
-
 def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
                         lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +71,10 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     groups = hq // heads
     device = query.device
     longest = max(1, int(lengths.max())) if lengths.numel() else 1
-    slots = _stacked(tables, longest, 0)
+    slots = stacked(tables, longest, 0)
     weights = None
     if log_weights is not None and any(w is not None for w in log_weights):
-        weights = _stacked([torch.zeros_like(t, dtype=torch.float32) if w is None else w.float() for t, w in zip(tables, log_weights)],
+        weights = stacked([torch.zeros_like(t, dtype=torch.float32) if w is None else w.float() for t, w in zip(tables, log_weights)],
                            longest, 0.0)
     splits = triton.cdiv(longest, SPLIT)
     groups_pad, dim_pad = max(16, triton.next_power_of_2(groups)), max(16, triton.next_power_of_2(dim))
