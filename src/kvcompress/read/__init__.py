@@ -48,7 +48,7 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
     full_length = view.shape[2]
     if select is not None:
         view = view.select(select)
-    if view.pages is not None and query.shape[2] == 1 and not (col_sums or reference):  # a decoding step: read in place
+    if query.shape[2] == 1 and not (col_sums or reference) and view.pages is not None:  # a decoding step: read in place
         return ReadResult(*read_paged(query, view, scaling))
     if reference:
         out, lse, sums = read_reference(query, query_positions, view, scaling, col_sums)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .tables import stacked
+from .tables import stacked, stacked_log_weights
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -96,10 +96,9 @@ def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     span = torch.arange(longest, device=query.device)
     slots = stacked(tables, longest, 0).long()
     seen = (span < lengths.to(query.device)[..., None]) & (slots != 0)  # [R, H, L]
-    bias = torch.zeros(rows, heads, longest, device=query.device)
-    if log_weights is not None and any(w is not None for w in log_weights):
-        bias = stacked([torch.zeros(t.shape, device=query.device) if w is None else w.float() for t, w in zip(tables, log_weights)],
-                       longest, 0.0)
+    bias = stacked_log_weights(tables, log_weights, longest)
+    if bias is None:
+        bias = torch.zeros(rows, heads, longest, device=query.device)
     bias = bias.masked_fill(~seen, -math.inf)
     index = slots.masked_fill(~seen, 0).reshape(-1)
     k = keys.index_select(0, index).view(rows, heads, longest, d).float()

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tables import stacked
+from .tables import stacked, stacked_log_weights
 
 SPLIT = 512
 BLOCK = 64
@@ -72,10 +72,7 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     device = query.device
     longest = max(1, int(lengths.max())) if lengths.numel() else 1
     slots = stacked(tables, longest, 0)
-    weights = None
-    if log_weights is not None and any(w is not None for w in log_weights):
-        weights = stacked([torch.zeros_like(t, dtype=torch.float32) if w is None else w.float() for t, w in zip(tables, log_weights)],
-                           longest, 0.0)
+    weights = stacked_log_weights(tables, log_weights, longest)
     splits = triton.cdiv(longest, SPLIT)
     groups_pad, dim_pad = max(16, triton.next_power_of_2(groups)), max(16, triton.next_power_of_2(dim))
     part_acc = torch.empty(rows, heads, splits, groups_pad, dim_pad, dtype=torch.float32, device=device)

@@ -27,6 +27,7 @@ Nothing here knows a method or transformers: edits arrive as ``store.view.Edit``
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -416,18 +417,21 @@ class SlotTable:
         )
 
     @staticmethod
-    def _pages(pool: SlotPool, rows: list[tuple[SlotTable, int]], lengths: torch.Tensor) -> Pages | None:
-        """The in-place form of ``rows`` (table, row): per row a view of its slot column and log-weights; None
-        when an entry is coded (only plain slots are read in place)."""
-        if not isinstance(pool.codec, PlainCodec):
-            return None
-        if pool.tiers and any(bool((table.ids[row, :, : table.span(slice(row, row + 1))[0], 0] >> TIER_SHIFT).any())
-                              for table, row in rows):
-            return None
+    def _pages(pool: SlotPool, rows: list[tuple[SlotTable, int]], lengths: torch.Tensor) -> Callable[[], Pages | None]:
+        """The in-place form of ``rows`` (table, row), made when a read asks for it: per row a view of its slot column
+        and log-weights (taken now); None when an entry is coded (only plain slots are read in place)."""
+        slots = [table.ids[row, :, :, 0] for table, row in rows]
         weights = [table.weights[row, :, :, table.columns.index(table.LOG_WEIGHTS)] if table.LOG_WEIGHTS in table.columns else None
                    for table, row in rows]
-        return Pages(lambda: (pool.arrays["keys"], pool.arrays["values"]), [table.ids[row, :, :, 0] for table, row in rows], lengths,
-                     weights)
+
+        def pages() -> Pages | None:
+            if not isinstance(pool.codec, PlainCodec):
+                return None
+            if pool.tiers and any(bool((s[:, : int(n.max())] >> TIER_SHIFT).any()) for s, n in zip(slots, lengths)):
+                return None
+            return Pages(lambda: (pool.arrays["keys"], pool.arrays["values"]), slots, lengths, weights)
+
+        return pages
 
     @staticmethod
     def joint_view(pool: SlotPool, parts: list[tuple[SlotTable, Rows, object]]) -> KVView:

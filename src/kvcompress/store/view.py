@@ -78,7 +78,8 @@ class KVView:
         uniform: True when the caller knows every head holds L entries (skips the check).
         page_bounds: [B, H, pages, 2, d], each channel's min and max key over every ``page_size``
             consecutive entries (pages past a head's length mean nothing), when the store keeps them.
-        pages: where the entries live, when a decoding read may read them in place (``Pages``).
+        pages: where the entries live, when a decoding read may read them in place (``Pages``), or a
+            function giving them (or None) on first use.
         shape: (B, H, L), given with lazy positions.
     """
 
@@ -96,7 +97,7 @@ class KVView:
         uniform: bool | None = None,
         page_bounds: torch.Tensor | None = None,
         page_size: int = 0,
-        pages: Pages | None = None,
+        pages: Pages | Callable[[], Pages | None] | None = None,
         shape: tuple[int, int, int] | None = None,
     ):
         if load is None and (keys is None or values is None):
@@ -107,7 +108,7 @@ class KVView:
         self._shape = tuple(shape) if shape is not None else tuple(positions.shape)  # type: ignore[union-attr]
         self.lengths = lengths
         self._log_weights = log_weights
-        self.pages = pages
+        self._pages = pages
         self.channels = dict(channels or {})
         self.summary = summary
         self.page_bounds, self.page_size = page_bounds, page_size
@@ -136,6 +137,12 @@ class KVView:
         if callable(self._log_weights):
             self._log_weights = self._log_weights()
         return self._log_weights
+
+    @property
+    def pages(self) -> Pages | None:
+        if callable(self._pages):
+            self._pages = self._pages()
+        return self._pages
 
     # ----- shape ---------------------------------------------------------------------------
     @property
@@ -197,7 +204,7 @@ class KVView:
         return KVView(self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION), (~hole).sum(-1).cpu(), load=load,
                       keys=keys, values=values, log_weights=pick(self.log_weights),
                       channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary,
-                      pages=None if self.pages is None else self.pages.select(index))
+                      pages=lambda: None if self.pages is None else self.pages.select(index))
 
     def flat(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, H, L, ...] → the real entries [N, ...], head after head."""
