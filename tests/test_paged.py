@@ -1,6 +1,7 @@
-"""The in-place decoding read (read/paged.py): the compiled CPU kernel and the plain PyTorch path against the
-float32 reference read, over ragged heads, GQA groups, holes, log-weights and storage dtypes; and the
-store's views handing their entries over in place only where they are plain."""
+"""The in-place decoding read (read/paged.py): the compiled CPU kernel, the plain PyTorch path and the Triton kernel
+(in Triton's interpreter) against the float32 reference read, over ragged heads, GQA groups, holes, log-weights,
+storage dtypes and KIVI-coded entries (2 and 4 bits) mixed with plain ones; and the store's views handing their
+entries over in place while they are plain or of one KIVI tier."""
 
 import math
 
@@ -13,8 +14,8 @@ from kvcompress.read import read
 from kvcompress.read.paged import cpu_kernel, paged_decode, paged_decode_torch
 from kvcompress.read.reference import read_reference
 from kvcompress.store.codecs import KiviCodec
-from kvcompress.store.slots import SlotPool, SlotTable
-from kvcompress.store.view import KVView
+from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
+from kvcompress.store.view import KiviBlocks, KVView
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}
 
@@ -24,10 +25,21 @@ def test_the_cpu_kernel_is_built():
     assert cpu_kernel() is not None
 
 
+KIVI_TIER = 3
+
+
+def _kivi_blocks(gen: torch.Generator, dim: int, bits: int, group_size: int, blocks: int, dtype: torch.dtype) -> KiviBlocks:
+    """A tier of random KIVI blocks (block 0 unused, as in the pool), zero points and scales in the model dtype's 16-bit kind."""
+    codec = KiviCodec(bits=bits, group_size=group_size, param_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)
+    rows = codec.encode(torch.randn(blocks, group_size, dim, generator=gen) * 2, torch.randn(blocks, group_size, dim, generator=gen))
+    return KiviBlocks(KIVI_TIER, codec, {name: torch.cat([torch.zeros_like(r[:1]), r]) for name, r in rows.items()})
+
+
 def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list[int], hole_rate: float, weighted: bool,
-          dtype: torch.dtype):
+          dtype: torch.dtype, coded_rate: float = 0.0, bits: int = 2, group_size: int = 8):
     """A pool of random entries and per-row slot tables (strided views of (slot, position) pairs, with spare
-    columns), some entries holes (slot 0); and the same entries laid out densely for the reference."""
+    columns), some entries holes (slot 0) and some (``coded_rate``) entries of a KIVI tier; and the same entries
+    laid out densely, decoded, for the reference."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.tensor(lengths, dtype=torch.long).view(rows, heads)
     longest = int(lengths.max())
@@ -41,46 +53,60 @@ def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list
     holes = (torch.rand(rows, heads, longest, generator=gen) < hole_rate) & valid
     pairs[:, :, :longest, 0][valid] = slots_free.int()
     pairs[:, :, :longest, 0][holes] = 0
+    index = pairs[:, :, :longest, 0].long()
+    dense_keys, dense_values = keys[index].float(), values[index].float()
+    kivi = None
+    if coded_rate > 0:
+        kivi = _kivi_blocks(gen, dim, bits, group_size, 1 + total // group_size, dtype)
+        coded = (torch.rand(rows, heads, longest, generator=gen) < coded_rate) & valid & ~holes
+        entries = torch.randint(group_size, kivi.arrays["key_codes"].shape[0] * group_size, (int(coded.sum()),), generator=gen)
+        pairs[:, :, :longest, 0][coded] = ((KIVI_TIER << TIER_SHIFT) | entries).int()
+        dense_keys[coded], dense_values[coded] = kivi.codec.decode(kivi.arrays, entries)
     weights = torch.randn(rows, heads, longest + 5, 3, generator=gen) if weighted else None  # column 1: the log-weights
     query = torch.randn(rows, heads * groups, dim, generator=gen)
     capacity = [int(lengths[r].max()) + r for r in range(rows)]  # each row's table as wide as its own longest head (+ r)
     tables = [pairs[r, :, : capacity[r], 0] for r in range(rows)]
     log_weights = [weights[r, :, : capacity[r], 1] for r in range(rows)] if weighted else None
-    index = pairs[:, :, :longest, 0].long()
     bias = torch.zeros(rows, heads, longest) if weights is None else weights[:, :, :longest, 1]
-    view = KVView.of(keys[index].float(), values[index].float(), torch.zeros(rows, heads, longest, dtype=torch.long), valid=valid,
+    view = KVView.of(dense_keys, dense_values, torch.zeros(rows, heads, longest, dtype=torch.long), valid=valid,
                      log_weights=bias.masked_fill(holes, -math.inf))  # a hole: a weight of zero for the reference
-    return query, keys, values, tables, lengths, log_weights, view
+    return query, keys, values, tables, lengths, log_weights, view, kivi
 
 
 CASES = dict(rows=st.integers(1, 3), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 7]), dim=st.sampled_from([8, 64]),
              data=st.data(), hole_rate=st.sampled_from([0.0, 0.3, 1.0]), weighted=st.booleans(),
-             dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+             dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16),
+             coded_rate=st.sampled_from([0.0, 0.5, 1.0]), bits=st.sampled_from([2, 4]), group_size=st.sampled_from([8, 32]))
 
 
 @settings(max_examples=40, deadline=None)
 @given(**CASES)
-def test_paged_decode_equals_the_reference_read(rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed):
-    """Ragged heads across the kernel's blocks (64) and chunks (512), holes anywhere, log-weights, GQA: out and lse
-    equal the float32 reference over the same (stored) entries; a head with nothing to read gives 0 and -inf."""
-    _check_against_reference((paged_decode, paged_decode_torch), rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed)
+def test_paged_decode_equals_the_reference_read(rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits,
+                                                group_size):
+    """Ragged heads across the kernel's blocks (64) and chunks (512), holes anywhere, log-weights, GQA, KIVI-coded
+    entries among plain ones: out and lse equal the float32 reference over the same (stored, decoded) entries; a head
+    with nothing to read gives 0 and -inf."""
+    _check_against_reference((paged_decode, paged_decode_torch), rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed,
+                             coded_rate, bits, group_size)
 
 
 @settings(max_examples=12, deadline=None)
 @given(**CASES)
-def test_the_triton_read_equals_the_reference_read(rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed):
+def test_the_triton_read_equals_the_reference_read(rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits,
+                                                   group_size):
     """The GPU kernel, run by Triton's interpreter on the CPU (the suite sets TRITON_INTERPRET=1 without a GPU)."""
     triton_read = pytest.importorskip("kvcompress.read.paged_triton").paged_decode_triton
-    _check_against_reference((triton_read,), rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed)
+    _check_against_reference((triton_read,), rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits, group_size)
 
 
-def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed):
+def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits, group_size):
     lengths = data.draw(st.lists(st.sampled_from([0, 1, 5, 63, 64, 65, 511, 513, 1100]), min_size=rows * heads, max_size=rows * heads))
-    query, keys, values, tables, lengths, log_weights, view = _case(seed, rows, heads, groups, dim, lengths, hole_rate, weighted, dtype)
+    query, keys, values, tables, lengths, log_weights, view, kivi = _case(seed, rows, heads, groups, dim, lengths, hole_rate, weighted,
+                                                                          dtype, coded_rate, bits, group_size)
     scaling = 1 / math.sqrt(dim)
     ref_out, ref_lse, _ = read_reference(query[:, :, None], torch.ones(rows, 1, dtype=torch.long), view, scaling)
     for fn in reads:
-        out, lse = fn(query, keys, values, tables, lengths, log_weights, scaling)
+        out, lse = fn(query, keys, values, tables, lengths, log_weights, scaling, kivi)
         assert out.shape == query.shape and lse.shape == query.shape[:2] and lse.dtype == torch.float32
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse[:, :, 0])), fn.__name__
         finite = torch.isfinite(lse)
@@ -89,30 +115,45 @@ def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, w
         assert bool((out[~finite] == 0).all())
 
 
-def test_a_slot_outside_the_pool_is_refused():
-    query, keys, values, tables, lengths, _, _ = _case(0, 1, 1, 1, 8, [10], 0.0, False, torch.float32)
-    tables[0][0, 3] = keys.shape[0] + 5
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        paged_decode(query, keys, values, tables, lengths, None, 1.0)
+@pytest.mark.parametrize("read_fn", [paged_decode, paged_decode_torch])
+def test_a_slot_outside_the_pool_or_a_tier_not_given_is_refused(read_fn):
+    query, keys, values, tables, lengths, _, _, kivi = _case(0, 1, 1, 1, 8, [10], 0.0, False, torch.float32, coded_rate=0.5)
+    for bad in (keys.shape[0] + 5, (KIVI_TIER + 1) << TIER_SHIFT | 9, KIVI_TIER << TIER_SHIFT | 1):  # past the pool; other tier; block 0
+        wrong = [t.clone() for t in tables]
+        wrong[0][0, 3] = bad
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            read_fn(query, keys, values, wrong, lengths, None, 1.0, kivi)
+    with pytest.raises(RuntimeError, match="outside the pool"):  # coded entries, no tier given
+        read_fn(query, keys, values, tables, lengths, None, 1.0)
 
 
-def test_a_view_reads_in_place_only_while_its_entries_are_plain():
-    """A table's view carries pages (no copy of the entries) until one of its entries is coded (KIVI): then the
-    decoding read gathers and decodes as before, and both reads agree with the reference."""
+def test_a_view_reads_in_place_while_its_entries_are_plain_or_of_one_kivi_tier():
+    """A table's view carries pages (no copy of the entries: the table itself), also once entries are KIVI-coded (the
+    kernel dequantises them); rows naming two coded tiers read by gathering. Every read agrees with the reference."""
     torch.manual_seed(0)
-    pool, table = SlotPool(16), SlotTable(1, 2)
-    table.append(pool, torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16), torch.arange(80)[None])
-    query, positions = torch.randn(1, 4, 1, 16), torch.tensor([[80]])
+    pool, table = SlotPool(16), SlotTable(2, 2)
+    table.append(pool, torch.randn(2, 2, 80, 16), torch.randn(2, 2, 80, 16), torch.arange(80).expand(2, 80))
+    query, positions = torch.randn(2, 4, 1, 16), torch.tensor([[80], [80]])
+
+    def agrees(view) -> None:
+        paged = read(query[: view.shape[0]], positions[: view.shape[0]], view, 0.25)
+        reference, lse, _ = read_reference(query[: view.shape[0]], positions[: view.shape[0]], view, 0.25)
+        assert torch.allclose(paged.out, reference, atol=1e-5)
+        assert paged.lse is None or torch.allclose(paged.lse, lse, atol=1e-5)  # the exact SDPA path gives none
+
     view = table.view(pool)
-    assert view.pages is not None and view.pages.tables[0].data_ptr() == table.ids.data_ptr()  # the table itself
-    paged = read(query, positions, view, 0.25)
-    reference, lse, _ = read_reference(query, positions, view, 0.25)
-    assert torch.allclose(paged.out, reference, atol=1e-5) and torch.allclose(paged.lse, lse, atol=1e-5)
-    table.code(pool, pool.tier(KiviCodec(bits=4, group_size=32)), recent=16)
+    assert view.pages is not None and view.pages.tables[0].data_ptr() == table.ids.data_ptr()
+    agrees(view)
+    table.code(pool, pool.tier(KiviCodec(bits=4, group_size=32)), recent=16, rows=slice(0, 1))
     coded = table.view(pool)
-    assert coded.pages is None
-    reference, _, _ = read_reference(query, positions, coded, 0.25)
-    assert torch.allclose(read(query, positions, coded, 0.25).out, reference, atol=1e-5)
+    assert coded.pages is not None and coded.pages.arrays()[2].tier == 1 and coded.pages.tables[0].data_ptr() == table.ids.data_ptr()
+    agrees(coded)
+    table.code(pool, pool.tier(KiviCodec(bits=2, group_size=32)), recent=16, rows=slice(1, 2))
+    assert table.view(pool).pages is None  # two tiers in one read: gathered and decoded
+    agrees(table.view(pool))
+    first = table.view(pool, slice(0, 1))
+    assert first.pages is not None and first.pages.arrays()[2].tier == 1
+    agrees(first)
 
 
 def test_a_selection_reads_only_the_chosen_entries_in_place():

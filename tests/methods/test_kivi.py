@@ -115,12 +115,22 @@ def test_bad_codecs_fail_clearly():
 
 
 def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypatch):
-    """``omnikv+kivi``: the layers after a filter layer decode only the entries they select."""
+    """``omnikv+kivi``: the filter layer decodes every coded entry to score it; layers 0 and 1 read every entry and the
+    layers after the filter only the entries they select, dequantised in place by the decoding kernel (the rest are
+    never decoded)."""
+    import kvcompress.read as read_module
     from kvcompress.store.codecs import KiviCodec
 
-    decoded = []
-    original = KiviCodec.decode
-    monkeypatch.setattr(KiviCodec, "decode", lambda self, arrays, entries: decoded.append(entries.numel()) or original(self, arrays, entries))
+    decoded, paged = [], []
+    original_decode, original_paged = KiviCodec.decode, read_module.paged_decode
+    monkeypatch.setattr(KiviCodec, "decode", lambda self, arrays, entries: decoded.append(entries.numel()) or original_decode(self, arrays, entries))
+
+    def spy(query, keys, values, tables, lengths, log_weights, scaling, kivi=None):
+        named = sum(int((t[h, : int(lengths[r, h])] != 0).sum()) for r, t in enumerate(tables) for h in range(t.shape[0]))
+        paged.append((named, kivi is not None))
+        return original_paged(query, keys, values, tables, lengths, log_weights, scaling, kivi)
+
+    monkeypatch.setattr(read_module, "paged_decode", spy)
     model = tiny_model(seed=6, layers=4)
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
     method = get_method('omnikv:filters=(1,):recent=8:sinks=2+kivi:group_size=8:residual=8', budget=24)
@@ -130,5 +140,6 @@ def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypa
         decoded.clear()
         model(logits[:, -1:].argmax(-1), past_key_values=cache)
     held = cache.stats()["entries"] // 4  # per layer (1 batch row × 2 KV heads)
-    assert len(decoded) == 4 and decoded[0] == decoded[1] > 150  # layers 0 and 1 (the filter) read every coded entry
-    assert decoded[2] <= 2 * 24 and decoded[3] <= 2 * 24 < held  # the layers after it: only what they select
+    assert len(decoded) == 1 and decoded[0] > 150  # layer 1 (the filter) decodes every coded entry to score it
+    assert len(paged) == 4 and all(coded for _, coded in paged)  # every layer reads coded entries in place
+    assert paged[0][0] == paged[1][0] == held and all(named <= 2 * 24 < held for named, _ in paged[2:])  # all; then a selection

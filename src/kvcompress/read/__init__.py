@@ -67,8 +67,8 @@ def read_paged(query: torch.Tensor, view: KVView, scaling: float) -> tuple[torch
     """One decoding query per row [B, Hq, 1, d] over the entries where they live (``view.pages``), the summary
     merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32)."""
     pages = view.pages
-    keys, values = pages.arrays()
-    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling)
+    keys, values, kivi = pages.arrays()
+    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi)
     out, lse = out[:, :, None], lse[:, :, None]
     if view.summary is not None:
         out, lse = merge_summary(query, out, lse, view.summary, view.shape[1], scaling)

@@ -1,13 +1,14 @@
 """Paged decode attention: one decoding query per row reads its entries where they live in the slot pool.
 
-    paged_decode(query, keys, values, tables, lengths, log_weights, scaling) -> (out, lse)
+    paged_decode(query, keys, values, tables, lengths, log_weights, scaling, kivi=None) -> (out, lse)
 
 The contract (every implementation, tested against ``reference.py``): ``query`` [R, Hq, d] (one decoding
 query per row, at or after every entry it reads: no causal mask); ``keys``, ``values`` [S, d] the pool's
 plain arrays; ``tables`` one int32 [H, L_r] slot table per row (any strides: a view of the store's own
 table, so nothing is concatenated or copied), slot 0 = a hole (padding, or an entry a selection left
 out), skipped; ``lengths`` int64 [R, H], the entries of each head; ``log_weights`` one float32 [H, L_r]
-per row or None, added to the logits. Returns ``out`` [R, Hq, d] in the query's dtype and ``lse``
+per row or None, added to the logits; ``kivi`` the one tier of KIVI blocks the tables may name (``store.view.KiviBlocks``:
+an id ``tier << 27 | block · G + offset``), read and dequantised in place, or None (plain slots only). Returns ``out`` [R, Hq, d] in the query's dtype and ``lse``
 [R, Hq] float32 (-inf where a head holds nothing, whose output is 0).
 
 * On the CPU: a small C++ kernel (``csrc/paged_decode.cpp``), compiled on first use with the system's C++
@@ -29,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-from .tables import stacked, stacked_log_weights
+from ..store.slots import ENTRY_MASK, TIER_SHIFT
+from ..store.view import KiviBlocks
+from .tables import KIVI_FIELDS, stacked, stacked_log_weights
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -45,7 +48,7 @@ def cpu_kernel():
             from torch.utils.cpp_extension import load
 
             _ninja_on_path()
-            _built = load(name="kvcompress_paged_decode", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            _built = load(name="kvcompress_paged_decode", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
                           extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # no compiler, no headers: the plain PyTorch path still reads correctly
             _failed = f"{type(error).__name__}: {error}"
@@ -72,23 +75,27 @@ def _ninja_on_path() -> None:
 
 
 def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
-                 log_weights: list[torch.Tensor | None] | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 log_weights: list[torch.Tensor | None] | None, scaling: float, kivi: KiviBlocks | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over slot tables (see the module docstring): (out [R, Hq, d], lse [R, Hq] float32)."""
     if query.device.type == "cuda" and (triton_read := triton_kernel()) is not None:
-        return triton_read(query, keys, values, tables, lengths, log_weights, scaling)
+        return triton_read(query, keys, values, tables, lengths, log_weights, scaling, kivi)
     kernel = cpu_kernel() if query.device.type == "cpu" else None
     if kernel is None:
-        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling)
+        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, kivi)
     weights = [torch.empty(0) if w is None else w for w in (log_weights or [None] * len(tables))]
     scaled = (query.float() * scaling).contiguous()
-    out, lse = kernel.paged_decode(scaled, keys, values, tables, lengths.to(torch.long).contiguous(), weights)
+    spec = [] if kivi is None else [kivi.tier, kivi.codec.bits, kivi.codec.block_size, kivi.codec.channel_group(query.shape[-1])]
+    arrays = [] if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
+    out, lse = kernel.paged_decode(scaled, keys, values, tables, lengths.to(torch.long).contiguous(), weights, spec, arrays)
     return out.to(query.dtype), lse
 
 
 def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
-                       lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract in plain PyTorch, float32 math: gather each row's entries, mask holes and padding, attend."""
+                       lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float,
+                       kivi: KiviBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract in plain PyTorch, float32 math: gather each row's entries (KIVI's decoded by its codec), mask
+    holes and padding, attend."""
     rows, hq, d = query.shape
     heads = lengths.shape[1]
     groups = hq // heads
@@ -100,15 +107,32 @@ def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if bias is None:
         bias = torch.zeros(rows, heads, longest, device=query.device)
     bias = bias.masked_fill(~seen, -math.inf)
-    index = slots.masked_fill(~seen, 0).reshape(-1)
-    k = keys.index_select(0, index).view(rows, heads, longest, d).float()
-    v = values.index_select(0, index).view(rows, heads, longest, d).float()
+    k, v = _gathered(keys, values, slots.masked_fill(~seen, 0).reshape(-1), kivi)
+    k, v = k.view(rows, heads, longest, d), v.view(rows, heads, longest, d)
     q = query.float().view(rows, heads, groups, d)
     logits = torch.einsum("rhgd,rhld->rhgl", q, k) * scaling + bias[:, :, None]
     lse = torch.logsumexp(logits, dim=-1)  # -inf where a head sees nothing
     probs = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("rhgl,rhld->rhgd", probs, v)
     return out.reshape(rows, hq, d).to(query.dtype), lse.reshape(rows, hq)
+
+
+def _gathered(keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, kivi: KiviBlocks | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 keys and values [n, d] of entry ids [n] (int64): plain slots, and KIVI's tier decoded by its codec."""
+    tiers = ids >> TIER_SHIFT
+    coded = tiers != 0
+    blocks = (ids[coded] & ENTRY_MASK) // kivi.codec.block_size if kivi else None
+    if (bool((ids[~coded] >= keys.shape[0]).any()) or (kivi is None and bool(coded.any()))
+            or (kivi is not None and bool(((tiers[coded] != kivi.tier) | (blocks < 1) | (blocks >= kivi.arrays["key_codes"].shape[0])).any()))):
+        raise RuntimeError("paged_decode: a slot table names a slot outside the pool, or a coded entry of a tier it was not given")
+    plain = ids.masked_fill(coded, 0)
+    k, v = keys.index_select(0, plain).float(), values.index_select(0, plain).float()
+    if kivi is not None and bool(coded.any()):
+        where = coded.nonzero().squeeze(1)
+        ck, cv = kivi.codec.decode(kivi.arrays, ids.index_select(0, where) & ENTRY_MASK)
+        k.index_copy_(0, where, ck.float())
+        v.index_copy_(0, where, cv.float())
+    return k, v
 
 
 def build() -> None:

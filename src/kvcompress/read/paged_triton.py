@@ -4,7 +4,9 @@ Same contract as ``paged.paged_decode`` (see its module docstring). The rows' sl
 are stacked into one int32 [R, H, L] table first (4 bytes per entry, against the 2·d·bytes of the entry it
 names). A program reads one split of ``SPLIT`` entries of one (row, KV head) in blocks of ``BLOCK``: it
 loads the slots, then the keys and values they name straight from the pool, and keeps an online softmax
-for the head's GQA group in float32 (flash-decoding); the splits are merged by log-sum-exp afterwards.
+for the head's GQA group in float32 (flash-decoding); the splits are merged by log-sum-exp afterwards. Entries of
+the KIVI tier (``KIVI``: its tier, bits, block and channel group as constants) are unpacked and dequantised where
+they are loaded: key = zero + code · scale per channel (the block's), value the same per channel group (the entry's).
 """
 
 from __future__ import annotations
@@ -13,16 +15,36 @@ import torch
 import triton
 import triton.language as tl
 
-from .tables import stacked, stacked_log_weights
+from ..store.slots import ENTRY_MASK, TIER_SHIFT
+from ..store.view import KiviBlocks
+from .tables import KIVI_FIELDS, stacked, stacked_log_weights
 
 SPLIT = 512
 BLOCK = 64
 
 
 @triton.jit
-def _split_kernel(query, keys, values, slots, lengths, weights, part_acc, part_max, part_sum, scaling, table_row_stride,
-                  table_head_stride, splits, HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr,
-                  DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+def _dequantised(codes, zero, scale, entry, param, seen, dims, in_dim, DIM: tl.constexpr, BITS: tl.constexpr, PARAM_ROW: tl.constexpr,
+                 CHANNELS_PER_PARAM: tl.constexpr):
+    """zero + code · scale of coded entries [BLOCK, DIM_PAD] (float32; 0 where not ``seen``): the codes of ``entry``,
+    the zero points and scales of row ``param`` (the block, or the entry) at channel // CHANNELS_PER_PARAM."""
+    per: tl.constexpr = 8 // BITS
+    mask = seen[:, None] & in_dim[None, :]
+    packed = tl.load(codes + entry[:, None] * (DIM // per) + dims[None, :] // per, mask=mask, other=0).to(tl.int32)
+    code = (packed >> ((dims[None, :] % per) * BITS)) & ((1 << BITS) - 1)
+    where = param[:, None] * PARAM_ROW + dims[None, :] // CHANNELS_PER_PARAM
+    z = tl.load(zero + where, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale + where, mask=mask, other=0.0).to(tl.float32)
+    return z + code.to(tl.float32) * s
+
+
+@triton.jit
+def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_zero, key_scale, value_codes, value_zero, value_scale,
+                  part_acc, part_max, part_sum, scaling, table_row_stride, table_head_stride, splits, num_slots, kivi_blocks,
+                  HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr,
+                  DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                  KIVI_TIER: tl.constexpr, BITS: tl.constexpr, KIVI_GROUP: tl.constexpr, CHANNEL_GROUP: tl.constexpr,
+                  TIER_SHIFT: tl.constexpr, ENTRY_MASK: tl.constexpr):
     row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths + row * HEADS + head)
     begin = split * SPLIT
@@ -41,10 +63,19 @@ def _split_kernel(query, keys, values, slots, lengths, weights, part_acc, part_m
         column = start + tl.arange(0, BLOCK)
         inside = column < end
         slot = tl.load(table + column, mask=inside, other=0)
-        seen = inside & (slot != 0)  # slot 0: padding or a hole
+        plain = inside & (slot != 0) & ((slot >> TIER_SHIFT) == 0) & (slot < num_slots)  # 0: padding or a hole
         where = slot.to(tl.int64)[:, None] * DIM + dims[None, :]
-        k = tl.load(keys + where, mask=seen[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
-        v = tl.load(values + where, mask=seen[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+        k = tl.load(keys + where, mask=plain[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+        v = tl.load(values + where, mask=plain[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+        seen = plain
+        if KIVI_TIER > 0:
+            entry = (slot & ENTRY_MASK).to(tl.int64)
+            block = entry // KIVI_GROUP
+            coded = inside & ((slot >> TIER_SHIFT) == KIVI_TIER) & (block > 0) & (block < kivi_blocks)
+            k += _dequantised(key_codes, key_zero, key_scale, entry, block, coded, dims, in_dim, DIM, BITS, DIM, 1)
+            v += _dequantised(value_codes, value_zero, value_scale, entry, entry, coded, dims, in_dim, DIM, BITS,
+                              DIM // CHANNEL_GROUP, CHANNEL_GROUP)
+            seen = plain | coded
         logits = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GROUPS_PAD, BLOCK]
         if HAS_WEIGHTS:
             logits += tl.load(weights + row * table_row_stride + head * table_head_stride + column, mask=inside, other=0.0)[None, :]
@@ -63,8 +94,8 @@ def _split_kernel(query, keys, values, slots, lengths, weights, part_acc, part_m
 
 
 def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
-                        lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float,
+                        kivi: KiviBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged.paged_decode``'s contract in Triton: (out [R, Hq, d] in the query's dtype, lse [R, Hq] float32)."""
     rows, hq, dim = query.shape
     heads = lengths.shape[1]
@@ -78,11 +109,14 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     part_acc = torch.empty(rows, heads, splits, groups_pad, dim_pad, dtype=torch.float32, device=device)
     part_max = torch.empty(rows, heads, splits, groups_pad, dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
+    coded = [keys] * 6 if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
     _split_kernel[(rows, heads, splits)](
         query.contiguous(), keys, values, slots, lengths.to(device=device, dtype=torch.int64).contiguous(),
-        slots if weights is None else weights, part_acc, part_max, part_sum, scaling, slots.stride(0), slots.stride(1), splits,
-        HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad, SPLIT=SPLIT, BLOCK=BLOCK,
-        HAS_WEIGHTS=weights is not None)
+        slots if weights is None else weights, *coded, part_acc, part_max, part_sum, scaling, slots.stride(0), slots.stride(1), splits,
+        keys.shape[0], coded[0].shape[0], HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad, SPLIT=SPLIT,
+        BLOCK=BLOCK, HAS_WEIGHTS=weights is not None, KIVI_TIER=0 if kivi is None else kivi.tier,
+        BITS=2 if kivi is None else kivi.codec.bits, KIVI_GROUP=1 if kivi is None else kivi.codec.block_size,
+        CHANNEL_GROUP=dim if kivi is None else kivi.codec.channel_group(dim), TIER_SHIFT=TIER_SHIFT, ENTRY_MASK=ENTRY_MASK)
     # merge the splits: each one's unnormalised output and sum, rescaled to the largest max
     part_max, part_sum = part_max[..., :groups], part_sum[..., :groups]
     part_acc = part_acc[..., :groups, :dim]

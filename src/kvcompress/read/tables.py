@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 
 
+KIVI_FIELDS = ("key_codes", "key_zero", "key_scale", "value_codes", "value_zero", "value_scale")  # the kernels' order
+
+
 def stacked(tables: list[torch.Tensor], length: int, fill) -> torch.Tensor:
     """Per-row [H, capacity_r] tables (capacities may differ) → one contiguous [R, H, length], ``fill`` past a
     table's own columns."""
@@ -20,4 +23,4 @@ def stacked_log_weights(tables: list[torch.Tensor], log_weights: list[torch.Tens
     return stacked([torch.zeros(t.shape, device=t.device) if w is None else w.float() for t, w in zip(tables, log_weights)], length, 0.0)
 
 
-__all__ = ["stacked", "stacked_log_weights"]
+__all__ = ["KIVI_FIELDS", "stacked", "stacked_log_weights"]

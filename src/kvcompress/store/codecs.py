@@ -187,7 +187,7 @@ def unpack(packed: torch.Tensor, bits: int, dtype: torch.dtype = torch.uint8) ->
     widening before the last step, the fastest form on a CPU)."""
     mask = 2**bits - 1
     codes = torch.stack([(packed >> (bits * i)) & mask for i in range(8 // bits)], dim=-1)
-    return codes.view(*packed.shape[:-1], -1).to(dtype)
+    return codes.view(*packed.shape[:-1], packed.shape[-1] * (8 // bits)).to(dtype)
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from .codecs import Codec, PlainCodec, field_bytes
-from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KVView, Pages
+from .codecs import Codec, KiviCodec, PlainCodec, field_bytes
+from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KiviBlocks, KVView, Pages
 
 PAD_SLOT = 0
 TIER_SHIFT = 27  # entry ids are int32: tiers 1..15 of coded blocks above 2^27 plain slots
@@ -419,7 +419,7 @@ class SlotTable:
     @staticmethod
     def _pages(pool: SlotPool, rows: list[tuple[SlotTable, int]], lengths: torch.Tensor) -> Callable[[], Pages | None]:
         """The in-place form of ``rows`` (table, row), made when a read asks for it: per row a view of its slot column
-        and log-weights (taken now); None when an entry is coded (only plain slots are read in place)."""
+        and log-weights (taken now); None unless every entry is plain or of one KIVI tier (what the kernels read)."""
         slots = [table.ids[row, :, :, 0] for table, row in rows]
         weights = [table.weights[row, :, :, table.columns.index(table.LOG_WEIGHTS)] if table.LOG_WEIGHTS in table.columns else None
                    for table, row in rows]
@@ -427,9 +427,19 @@ class SlotTable:
         def pages() -> Pages | None:
             if not isinstance(pool.codec, PlainCodec):
                 return None
-            if pool.tiers and any(bool((s[:, : int(n.max())] >> TIER_SHIFT).any()) for s, n in zip(slots, lengths)):
+            coded = pool.tiers
+            if len(coded) > 1:  # which tiers these rows name (with one tier, any row may)
+                named = set().union(*(torch.unique(s[:, : int(n.max())] >> TIER_SHIFT).tolist() for s, n in zip(slots, lengths)))
+                coded = [pool.tiers[t - 1] for t in sorted(named - {0})]
+            if len(coded) > 1 or (coded and not isinstance(coded[0].codec, KiviCodec)):
                 return None
-            return Pages(lambda: (pool.arrays["keys"], pool.arrays["values"]), slots, lengths, weights)
+            tier = pool.tiers.index(coded[0]) + 1 if coded else 0
+
+            def arrays() -> tuple[torch.Tensor, torch.Tensor, KiviBlocks | None]:
+                kivi = KiviBlocks(tier, coded[0].codec, coded[0].arrays) if coded else None
+                return pool.arrays["keys"], pool.arrays["values"], kivi
+
+            return Pages(arrays, slots, lengths, weights)
 
         return pages
 

@@ -37,17 +37,28 @@ class Summary(Protocol):
 
 
 @dataclass
+class KiviBlocks:
+    """A tier of KIVI-coded blocks, read in place: the entry id ``tier << TIER_SHIFT | block · group_size + offset``
+    names entry ``offset`` of a block; ``arrays`` are the tier's per-block arrays as ``codec.fields`` names them."""
+
+    tier: int
+    codec: Any  # store.codecs.KiviCodec
+    arrays: dict[str, torch.Tensor]
+
+
+@dataclass
 class Pages:
     """Where a view's entries live, for a reader that reads them in place (``read/paged.py``).
 
-    ``arrays()``: the pool's plain keys and values [S, d] as they are when read. Per batch row, ``tables`` an int32 slot table
-    [H, ≥ L] (a view of the store's own table: nothing concatenated or copied; slot 0 = padding or a
+    ``arrays()``: the pool's plain keys and values [S, d] as they are when read, and the one tier of KIVI blocks
+    the tables may name (``KiviBlocks``; None: every entry is plain). Per batch row, ``tables`` an int32 table of
+    entry ids [H, ≥ L] (a view of the store's own table: nothing concatenated or copied; 0 = padding or a
     hole, skipped) and ``log_weights`` its float32 log-weights [H, ≥ L] (None: none). ``lengths`` int64
     [B, H]: the columns of each head to read. Only for entries at or before every query that reads
     them through the pages (a decoding step): the pages carry no positions.
     """
 
-    arrays: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    arrays: Callable[[], tuple[torch.Tensor, torch.Tensor, KiviBlocks | None]]
     tables: list[torch.Tensor]
     lengths: torch.Tensor
     log_weights: list[torch.Tensor | None]
@@ -334,4 +345,4 @@ def edited_entries(view: KVView, edit: Edit) -> Entries:
     return Entries(keys, values, view.positions, valid, log_weights, {**view.channels, **edit.channels})
 
 
-__all__ = ["edited_entries", "PAD_POSITION", "UNCHANGED", "Edit", "Entries", "KVView", "Pages", "LayerContext", "LayerInput", "Rewrite", "Summary"]
+__all__ = ["edited_entries", "PAD_POSITION", "UNCHANGED", "Edit", "Entries", "KVView", "KiviBlocks", "Pages", "LayerContext", "LayerInput", "Rewrite", "Summary"]

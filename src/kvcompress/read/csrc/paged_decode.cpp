@@ -8,6 +8,12 @@
 // chunk an online softmax over blocks of BLOCK entries with float32 accumulators; chunks are merged by
 // log-sum-exp. Out: the attention output [R, Hq, d] and the log partition function [R, Hq] (float32,
 // -inf where a head has no entry).
+//
+// KIVI-coded entries are read in place too: an entry id with the KIVI tier's bits (tier << 27 | block · G + offset)
+// names an entry of a block of G entries of one head (read/paged.py's `KiviBlocks`). Its key is z + c · s per
+// channel (z, s the block's per-channel zero point and scale), so q · k = q · z + (q ⊙ s) · c: q · z and q ⊙ s are
+// made once per block, and a coded key costs one dot product over its unpacked codes. Its value is z + c · s per
+// channel group of the entry, decoded into a float32 row before it is accumulated.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -30,6 +36,72 @@ struct Table {
   const float* weights;   // nullptr: no log-weights
   int64_t weight_head_stride, weight_entry_stride;
 };
+
+// Where KIVI-coded entries live: one tier's arrays (read/paged.py's `KiviBlocks`); tier 0 = no coded entries.
+enum class Param { f16, bf16, f32 };
+
+struct Kivi {
+  int64_t tier = 0, bits = 0, group = 0, channel_group = 0, blocks = 0, packed = 0, value_groups = 0;
+  const uint8_t* key_codes = nullptr;    // [blocks, group, packed]
+  const uint8_t* value_codes = nullptr;  // [blocks, group, packed]
+  const void* key_zero = nullptr;        // [blocks, d]
+  const void* key_scale = nullptr;       // [blocks, d]
+  const void* value_zero = nullptr;      // [blocks, group, value_groups]
+  const void* value_scale = nullptr;     // [blocks, group, value_groups]
+  Param param = Param::f16;
+};
+
+constexpr int64_t TIER_SHIFT = 27;
+constexpr int64_t ENTRY_MASK = (int64_t{1} << TIER_SHIFT) - 1;
+
+// n zero points or scales from base[offset...] (16-bit or 32-bit floats) → float32.
+inline void params(const void* base, int64_t offset, int64_t n, Param type, float* out) {
+  if (type == Param::f16) {
+    const at::Half* p = static_cast<const at::Half*>(base) + offset;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  } else if (type == Param::bf16) {
+    const at::BFloat16* p = static_cast<const at::BFloat16*>(base) + offset;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(base) + offset, n * sizeof(float));
+  }
+}
+
+// A byte's 8 / bits codes as float32, the first from the lowest bits (a table per width: unpacking is a copy).
+template <int BITS>
+struct CodeTable {
+  static constexpr int PER = 8 / BITS;
+  float codes[256][PER];
+  CodeTable() {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < PER; ++i) codes[b][i] = static_cast<float>((b >> (i * BITS)) & ((1 << BITS) - 1));
+  }
+};
+
+template <int BITS>
+inline void unpack_codes(const uint8_t* packed, float* codes, int64_t d) {
+  static const CodeTable<BITS> table;
+  constexpr int PER = CodeTable<BITS>::PER;
+  for (int64_t byte = 0; byte < d / PER; ++byte) std::memcpy(codes + byte * PER, table.codes[packed[byte]], sizeof(float) * PER);
+}
+
+inline void unpack(const Kivi& kivi, const uint8_t* packed, float* codes, int64_t d) {
+  if (kivi.bits == 2) unpack_codes<2>(packed, codes, d);
+  else unpack_codes<4>(packed, codes, d);
+}
+
+// The value of coded entry e, decoded into `row` [d]: z + c · s per channel group.
+inline void decode_value(const Kivi& kivi, int64_t e, float* row, int64_t d) {
+  float zero[64], scale[64];  // value groups: d / channel group ≤ 64 for any head this reads (checked at entry)
+  unpack(kivi, kivi.value_codes + e * kivi.packed, row, d);
+  params(kivi.value_zero, e * kivi.value_groups, kivi.value_groups, kivi.param, zero);
+  params(kivi.value_scale, e * kivi.value_groups, kivi.value_groups, kivi.param, scale);
+  for (int64_t j = 0; j < kivi.value_groups; ++j) {
+    float* part = row + j * kivi.channel_group;
+#pragma omp simd
+    for (int64_t c = 0; c < kivi.channel_group; ++c) part[c] = zero[j] + part[c] * scale[j];
+  }
+}
 
 constexpr int64_t PREFETCH = 8;  // rows ahead: slots may lie anywhere in the pool
 
@@ -66,19 +138,72 @@ inline float dot(const float* q, const scalar_t* k, int64_t d) {
   return sum;
 }
 
+// logits[g · BLOCK] = q_g · k + bias for the G queries of a group: k is loaded once per 16 channels for up to
+// four queries at a time, each with its own accumulators (no dependency chain across queries or channels).
+template <typename scalar_t>
+inline void group_dots(const float* q, int64_t groups, const scalar_t* k, int64_t d, float bias, float* logits) {
+  constexpr int64_t LANES = 16;
+  const int64_t body = d - d % LANES;
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+    const int64_t n = std::min<int64_t>(4, groups - g0);
+    float acc[4][LANES] = {};
+    for (int64_t c = 0; c < body; c += LANES) {
+      float key[LANES];
+#pragma omp simd
+      for (int64_t j = 0; j < LANES; ++j) key[j] = static_cast<float>(k[c + j]);
+      for (int64_t g = 0; g < n; ++g) {
+        const float* qg = q + (g0 + g) * d + c;
+#pragma omp simd
+        for (int64_t j = 0; j < LANES; ++j) acc[g][j] += qg[j] * key[j];
+      }
+    }
+    for (int64_t g = 0; g < n; ++g) {
+      float sum = bias;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < LANES; ++j) sum += acc[g][j];
+      for (int64_t c = body; c < d; ++c) sum += q[(g0 + g) * d + c] * static_cast<float>(k[c]);
+      logits[(g0 + g) * BLOCK] = sum;
+    }
+  }
+}
+
 template <typename scalar_t>
 inline void axpy(float* acc, float p, const scalar_t* v, int64_t d) {
 #pragma omp simd
   for (int64_t c = 0; c < d; ++c) acc[c] += p * static_cast<float>(v[c]);
 }
 
+// The entries of one block of a head, sorted out: kind 0 = a hole (skipped), 1 = a plain slot, 2 = a KIVI-coded
+// entry; where = the slot, or the entry's place in its tier.
+enum Kind : uint8_t { HOLE = 0, PLAIN = 1, CODED = 2 };
+
+inline Kind classify(int64_t id, int64_t num_slots, const Kivi& kivi, int64_t& where, std::atomic<bool>& out_of_range) {
+  where = 0;
+  if (id == 0) return HOLE;
+  const int64_t tier = id >> TIER_SHIFT;
+  if (tier == 0 && id < num_slots) {
+    where = id;
+    return PLAIN;
+  }
+  const int64_t e = id & ENTRY_MASK;
+  if (tier != 0 && tier == kivi.tier && e / kivi.group > 0 && e / kivi.group < kivi.blocks) {
+    where = e;
+    return CODED;
+  }
+  out_of_range = true;
+  return HOLE;
+}
+
 // One chunk [begin, end) of one head: the unnormalised output acc [G, d], its running max m [G] and sum l [G].
 template <typename scalar_t>
 void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* keys, const scalar_t* values, int64_t num_slots,
-                  const Table& table, int64_t head, int64_t begin, int64_t end, float* acc, float* m, float* l,
+                  const Kivi& kivi, const Table& table, int64_t head, int64_t begin, int64_t end, float* acc, float* m, float* l,
                   std::atomic<bool>& out_of_range) {
   std::vector<float> logits(groups * BLOCK);
-  int64_t slots[BLOCK];
+  std::vector<float> scaled(kivi.tier ? groups * d : 0), offset(kivi.tier ? groups : 0), row(kivi.tier ? d : 0), zero(kivi.tier ? d : 0);
+  int64_t where[BLOCK];
+  Kind kind[BLOCK];
+  int64_t coded_block = -1;  // the block whose q ⊙ s and q · z are in `scaled` and `offset`
   for (int64_t g = 0; g < groups; ++g) {
     m[g] = NEG_INF;
     l[g] = 0.f;
@@ -86,30 +211,41 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
   std::fill(acc, acc + groups * d, 0.f);
   for (int64_t start = begin; start < end; start += BLOCK) {
     const int64_t n = std::min(BLOCK, end - start);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t slot = table.slots[head * table.head_stride + (start + i) * table.entry_stride];
-      if (slot < 0 || slot >= num_slots) {
-        out_of_range = true;
-        slots[i] = 0;
+    for (int64_t i = 0; i < n; ++i)
+      kind[i] = classify(table.slots[head * table.head_stride + (start + i) * table.entry_stride], num_slots, kivi, where[i], out_of_range);
+    for (int64_t i = 0; i < n; ++i) {  // a key is loaded once for the group's queries
+      if (i + PREFETCH < n && kind[i + PREFETCH] == PLAIN) prefetch_row(keys + where[i + PREFETCH] * d, d);
+      if (kind[i] == PLAIN) prefetch_row(values + where[i] * d, d);  // read after the block's softmax
+      const float bias = table.weights ? table.weights[head * table.weight_head_stride + (start + i) * table.weight_entry_stride] : 0.f;
+      if (kind[i] == PLAIN) {
+        const scalar_t* key = keys + where[i] * d;
+        group_dots(q, groups, key, d, bias, logits.data() + i);
+      } else if (kind[i] == CODED) {
+        const int64_t block = where[i] / kivi.group;
+        if (block != coded_block) {  // q ⊙ s and q · z of this block's keys
+          coded_block = block;
+          params(kivi.key_zero, block * d, d, kivi.param, zero.data());
+          params(kivi.key_scale, block * d, d, kivi.param, row.data());
+          for (int64_t g = 0; g < groups; ++g) {
+            offset[g] = dot(q + g * d, zero.data(), d);
+#pragma omp simd
+            for (int64_t c = 0; c < d; ++c) scaled[g * d + c] = q[g * d + c] * row[c];
+          }
+        }
+        unpack(kivi, kivi.key_codes + where[i] * kivi.packed, row.data(), d);
+        group_dots(scaled.data(), groups, row.data(), d, bias, logits.data() + i);
+        for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] += offset[g];
       } else {
-        slots[i] = slot;
+        for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] = NEG_INF;
       }
     }
-    for (int64_t i = 0; i < n; ++i) {  // a key is loaded once for the group's queries
-      if (i + PREFETCH < n) prefetch_row(keys + slots[i + PREFETCH] * d, d);
-      prefetch_row(values + slots[i] * d, d);  // read after the block's softmax
-      const float bias = table.weights ? table.weights[head * table.weight_head_stride + (start + i) * table.weight_entry_stride] : 0.f;
-      const scalar_t* key = keys + slots[i] * d;
-      for (int64_t g = 0; g < groups; ++g)
-        logits[g * BLOCK + i] = slots[i] == 0 ? NEG_INF : dot(q + g * d, key, d) + bias;
-    }
     for (int64_t g = 0; g < groups; ++g) {
-      float* row = logits.data() + g * BLOCK;
+      float* probs = logits.data() + g * BLOCK;
       float peak = NEG_INF;
 #pragma omp simd reduction(max : peak)
-      for (int64_t i = 0; i < n; ++i) peak = std::max(peak, row[i]);
+      for (int64_t i = 0; i < n; ++i) peak = std::max(peak, probs[i]);
       if (peak == NEG_INF) {  // nothing seen in this block
-        std::fill(row, row + n, 0.f);
+        std::fill(probs, probs + n, 0.f);
         continue;
       }
       const float top = std::max(m[g], peak);
@@ -118,24 +254,25 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
       float* out = acc + g * d;
       for (int64_t c = 0; c < d; ++c) out[c] *= rescale;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) row[i] = exp_nonpositive(row[i] - top);  // holes and padding: 0
+      for (int64_t i = 0; i < n; ++i) probs[i] = exp_nonpositive(probs[i] - top);  // holes and padding: 0
       m[g] = top;
     }
-    for (int64_t i = 0; i < n; ++i) {  // a value is loaded once for the group's queries
-      if (slots[i] == 0) continue;
-      const scalar_t* value = values + slots[i] * d;
+    for (int64_t i = 0; i < n; ++i) {  // a value is loaded (or decoded) once for the group's queries
+      if (kind[i] == HOLE) continue;
+      if (kind[i] == CODED) decode_value(kivi, where[i], row.data(), d);
       for (int64_t g = 0; g < groups; ++g) {
         const float p = logits[g * BLOCK + i];
         l[g] += p;
-        axpy(acc + g * d, p, value, d);
+        if (kind[i] == PLAIN) axpy(acc + g * d, p, values + where[i] * d, d);
+        else axpy(acc + g * d, p, row.data(), d);
       }
     }
   }
 }
 
 template <typename scalar_t>
-void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const std::vector<Table>& tables,
-         const at::Tensor& lengths, at::Tensor& out, at::Tensor& lse) {
+void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const Kivi& kivi,
+         const std::vector<Table>& tables, const at::Tensor& lengths, at::Tensor& out, at::Tensor& lse) {
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t heads = lengths.size(1), groups = hq / heads;
   const int64_t num_slots = keys.size(0);
@@ -156,11 +293,11 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t rh = owner[t], r = rh / heads, h = rh % heads;
       const int64_t begin = (t - first[rh]) * CHUNK, end = std::min(length[rh], begin + CHUNK);
-      attend_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, k, v, num_slots, tables[r], h, begin, end,
+      attend_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, k, v, num_slots, kivi, tables[r], h, begin, end,
                              acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups, out_of_range);
     }
   });
-  TORCH_CHECK(!out_of_range, "paged_decode: a slot table names a slot outside the pool (coded entries must be decoded first)");
+  TORCH_CHECK(!out_of_range, "paged_decode: a slot table names a slot outside the pool, or a coded entry of a tier it was not given");
   float* o = out.data_ptr<float>();
   float* s = lse.data_ptr<float>();
   at::parallel_for(0, rows * heads, 1, [&](int64_t lo, int64_t hi) {
@@ -190,14 +327,55 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   });
 }
 
+Param param_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return Param::f16;
+    case at::kBFloat16: return Param::bf16;
+    case at::kFloat: return Param::f32;
+    default: TORCH_CHECK(false, "KIVI's zero points and scales: float16, bfloat16 or float32");
+  }
+  return Param::f32;
+}
+
+// The KIVI tier's description, checked: spec (tier, bits, group, channel group) and its six arrays.
+Kivi kivi_tier(const std::vector<int64_t>& spec, const std::vector<at::Tensor>& arrays, int64_t d) {
+  Kivi kivi;
+  if (spec.empty()) return kivi;
+  TORCH_CHECK(spec.size() == 4 && arrays.size() == 6, "kivi: (tier, bits, group, channel group) and six arrays");
+  kivi.tier = spec[0], kivi.bits = spec[1], kivi.group = spec[2], kivi.channel_group = spec[3];
+  TORCH_CHECK(kivi.tier >= 1 && kivi.tier < 16 && (kivi.bits == 2 || kivi.bits == 4) && kivi.group >= 1 && kivi.channel_group >= 1 &&
+                  d % kivi.channel_group == 0 && d * kivi.bits % 8 == 0,
+              "kivi: a tier 1-15, 2 or 4 bits, a channel group dividing d");
+  TORCH_CHECK(d / kivi.channel_group <= 64, "kivi: at most 64 value groups per head");
+  const at::Tensor &key_codes = arrays[0], &key_zero = arrays[1], &key_scale = arrays[2];
+  const at::Tensor &value_codes = arrays[3], &value_zero = arrays[4], &value_scale = arrays[5];
+  kivi.blocks = key_codes.size(0), kivi.packed = d * kivi.bits / 8, kivi.value_groups = d / kivi.channel_group;
+  for (const at::Tensor& t : arrays) TORCH_CHECK(t.is_contiguous() && t.size(0) == kivi.blocks, "kivi: contiguous arrays, a row per block");
+  TORCH_CHECK(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte &&
+                  key_codes.sizes() == at::IntArrayRef({kivi.blocks, kivi.group, kivi.packed}) && value_codes.sizes() == key_codes.sizes(),
+              "kivi: uint8 codes [blocks, group, d * bits / 8]");
+  TORCH_CHECK(key_zero.sizes() == at::IntArrayRef({kivi.blocks, d}) && key_scale.sizes() == key_zero.sizes() &&
+                  value_zero.sizes() == at::IntArrayRef({kivi.blocks, kivi.group, kivi.value_groups}) && value_scale.sizes() == value_zero.sizes(),
+              "kivi: key zero points and scales [blocks, d], value ones [blocks, group, d / channel group]");
+  kivi.param = param_type(key_zero);
+  for (size_t i : {2, 4, 5}) TORCH_CHECK(arrays[i].scalar_type() == key_zero.scalar_type(), "kivi: zero points and scales of one dtype");
+  kivi.key_codes = key_codes.data_ptr<uint8_t>(), kivi.value_codes = value_codes.data_ptr<uint8_t>();
+  kivi.key_zero = key_zero.data_ptr(), kivi.key_scale = key_scale.data_ptr();
+  kivi.value_zero = value_zero.data_ptr(), kivi.value_scale = value_scale.data_ptr();
+  return kivi;
+}
+
 }  // namespace
 
 // query [R, Hq, d] float32 (scaled); keys, values [S, d] (float32, bfloat16 or float16); tables: per row an int32
 // [H, L_r] slot table (any strides); lengths [R, H] int64; weights: per row a float32 [H, L_r] log-weight table
-// or an empty tensor. Returns (out [R, Hq, d] float32, lse [R, Hq] float32).
+// or an empty tensor; kivi: (tier, bits, group, channel group) of the KIVI tier read in place and its arrays
+// (key_codes, key_zero, key_scale, value_codes, value_zero, value_scale), or both empty. Returns (out [R, Hq, d]
+// float32, lse [R, Hq] float32).
 std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
-                                     const std::vector<at::Tensor>& weights) {
+                                     const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kivi_spec,
+                                     const std::vector<at::Tensor>& kivi_arrays) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: float32 [R, Hq, d], contiguous");
   TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
                   keys.scalar_type() == values.scalar_type() && keys.size(1) == query.size(2),
@@ -225,10 +403,11 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& 
     }
     views.push_back(view);
   }
+  const Kivi kivi = kivi_tier(kivi_spec, kivi_arrays, query.size(2));
   auto out = at::empty(query.sizes(), query.options());
   auto lse = at::empty({query.size(0), query.size(1)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode",
-                                  [&] { run<scalar_t>(query, keys, values, views, lengths, out, lse); });
+                                  [&] { run<scalar_t>(query, keys, values, kivi, views, lengths, out, lse); });
   return {out, lse};
 }
 
