@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .methods import Needs, Policy
-from .read import attend_with_max_weights, prompt_attention, read
+from .read import prompt_attention, read, replay_attention
 from .store.slots import SlotPool, SlotTable
 from .store.view import UNCHANGED, Edit, KVView, LayerContext, LayerInput
 
@@ -135,7 +135,7 @@ class Session:
         attention any of the chunk's queries gives it (the largest over chunks so far). Nothing is stored:
         output [B, Hq, q, d]."""
         layer, view = self.layers[layer_idx], self.view(layer_idx)
-        out, best = attend_with_max_weights(query, view.keys, view.values, view.positions, view.valid, key, value,
+        out, best = replay_attention(query, view.keys, view.values, view.positions, view.valid, key, value,
                                             positions, layer.scaling)
         seen = layer.observations.get("replay_scores")
         layer.observations["replay_scores"] = best if seen is None else torch.maximum(seen, best)

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, DynamicCache
 from common import layers_of, tiny_model
 from kvcompress import CompressedCache, get_method
 from kvcompress.hf.replay import QUOTED, ReplayPrompts
-from kvcompress.read import attend_with_max_weights
+from kvcompress.read import attend_with_max_weights, replay_attention
 from kvcompress.store.slots import LENGTH_BYTES
 
 
@@ -41,7 +41,7 @@ def _reference_max_weights(query, keys, values, key_pos, valid, new_k, new_v, q_
 @settings(max_examples=25, deadline=None)
 @given(length=st.integers(1, 12), q=st.integers(1, 6), group=st.sampled_from([1, 2, 3]), block=st.integers(1, 4),
        holes=st.booleans(), seed=st.integers(0, 10**6))
-def test_attend_with_max_weights_equals_a_float64_loop(length, q, group, block, holes, seed):
+def test_replay_attention_equals_a_float64_loop(length, q, group, block, holes, seed):
     gen = torch.Generator().manual_seed(seed)
     b, h, d = 2, 2, 8
     keys, values = torch.randn(b, h, length, d, generator=gen), torch.randn(b, h, length, d, generator=gen)
@@ -52,10 +52,11 @@ def test_attend_with_max_weights_equals_a_float64_loop(length, q, group, block, 
     query = torch.randn(b, h * group, q, d, generator=gen)
     new_k, new_v = torch.randn(b, h, q, d, generator=gen), torch.randn(b, h, q, d, generator=gen)
     q_pos = torch.arange(length, length + q).expand(b, q)
-    out, best = attend_with_max_weights(query, keys, values, key_pos, valid, new_k, new_v, q_pos, 0.3, block=block)
     ref_out, ref_best = _reference_max_weights(query, keys, values, key_pos, valid, new_k, new_v, q_pos, 0.3)
-    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(best.double(), ref_best, atol=1e-6, rtol=1e-5)
+    for attend in (attend_with_max_weights, replay_attention):  # the float32 oracle, and the fast path the session takes
+        out, best = attend(query, keys, values, key_pos, valid, new_k, new_v, q_pos, 0.3, block=block)
+        torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(best.double(), ref_best, atol=1e-6, rtol=1e-5)
 
 
 def test_replay_inputs_cover_the_prompt_in_chunks_each_after_its_prompt():

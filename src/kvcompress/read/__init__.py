@@ -21,7 +21,7 @@ import torch
 
 from ..store.view import KVView
 from .reference import attend_reference, attend_with_max_weights, attention_probs, group_queries, merge_lse, read_reference
-from .sdpa import merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked
+from .sdpa import merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
 from .paged import paged_decode
 
 
@@ -85,4 +85,5 @@ __all__ = [
     "prompt_attention",
     "prompt_attention_with_sums",
     "read",
+    "replay_attention",
 ]

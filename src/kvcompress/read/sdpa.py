@@ -9,6 +9,10 @@
   mask, and the CPU flash kernel returns the log-sum-exp that a summary merge needs. Column
   sums (H2O's and KeepKV's decode scores) come from the same logits, without materializing
   [B, H, G, q, L] probabilities twice.
+* ``replay_attention``: KVzip's replay (new tokens over the held entries and, causally, themselves),
+  its output from the flash kernel with the log-sum-exp, each held entry's largest weight from one
+  more product of the queries with the held keys, less each query's log-sum-exp (no softmax over
+  the weights, no product of weights and values).
 * ``prompt_attention``: the prefill's causal attention over the prompt; with column sums
   (H2O's score: each entry's total attention from every prompt query) one chunked pass
   computes the weights once for the output and the sums — never the n × n weights at once.
@@ -102,6 +106,33 @@ def merge_summary(query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sum
     out_s, lse_s = summary.attend(group_queries(query, heads).float(), scaling)
     merged, lse_m = merge_lse(out.float().view(b, heads, groups, q, d), lse.view(b, heads, groups, q), out_s, lse_s)
     return merged.to(query.dtype).view(b, hq, q, d), lse_m.view(b, hq, q)
+
+
+def replay_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor,
+                     key_valid: torch.Tensor | None, new_keys: torch.Tensor, new_values: torch.Tensor, query_positions: torch.Tensor,
+                     scaling: float, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.attend_with_max_weights``'s contract, fast: (out [B, Hq, q, d] in the query's dtype, each held
+    entry's largest weight from any query of its KV head's group [B, H, L] float32). A held entry's weight for a
+    query is exp(q · k · scaling − lse), so its largest is exp of the largest q · k · scaling − lse."""
+    b, hq, q, d = query.shape
+    heads, length = keys.shape[1], keys.shape[2]
+    groups = hq // heads
+    new_positions = query_positions[:, None, :].expand(b, heads, q)
+    valid = None if key_valid is None else torch.cat([key_valid, torch.ones_like(new_positions, dtype=torch.bool)], dim=2)
+    whole = KVView.of(torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2),
+                      torch.cat([key_positions, new_positions], dim=2), valid=valid)
+    grouped, held = group_queries(query, heads).float(), keys.float().transpose(-1, -2)[:, :, None]  # [B, H, G, q, d], [B, H, 1, d, L]
+    outs, best = [], torch.full((b, heads, length), float("-inf"), device=keys.device)
+    for start in range(0, q, block):
+        part = slice(start, start + block)
+        out, lse, _ = read_masked(query[:, :, part], query_positions[:, part], whole, scaling)
+        outs.append(out)
+        hidden = key_positions[:, :, None, :] > query_positions[:, None, part, None]  # [B, H, q', L]
+        if key_valid is not None:
+            hidden |= ~key_valid[:, :, None, :]
+        logits = torch.matmul(grouped[:, :, :, part], held).mul_(scaling).sub_(lse.view(b, heads, groups, -1, 1))
+        best = torch.maximum(best, logits.masked_fill_(hidden[:, :, None], float("-inf")).amax(dim=(2, 3)))
+    return torch.cat(outs, dim=2), best.exp_()
 
 
 # ----- the prompt ----------------------------------------------------------------------------
