@@ -109,3 +109,17 @@ def test_one_rounding_rule_for_every_size():
     assert Budget(budget=7).count(5) == 5 and Budget(budget=7).count(50) == 7
     with pytest.raises(ValueError, match="exactly one"):
         Budget.check("x", 4, 0.5)
+
+
+def test_a_global_decoding_rerank_computes_the_scorers_key_once(monkeypatch):
+    """While decoding under one budget over every layer (h2o+global), the re-rank's key serves the sizer and the fate:
+    the scorer makes it once per eviction."""
+    model = tiny_model(seed=4, layers=LAYERS)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    policy = get_method("h2o+global", budget=12)
+    keys, evictions = [], []
+    original_key, original_evict = type(policy.score).decode_key, type(policy.fate).decode_evict
+    monkeypatch.setattr(type(policy.score), "decode_key", lambda *a: keys.append(1) or original_key(*a))
+    monkeypatch.setattr(type(policy.fate), "decode_evict", lambda *a: evictions.append(1) or original_evict(*a))
+    model.generate(ids, past_key_values=CompressedCache(model, policy), max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert len(evictions) > 0 and len(keys) == len(evictions)

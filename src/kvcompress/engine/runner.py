@@ -12,10 +12,9 @@ on its own rows. Requests keep their own positions, methods and budgets.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..hf.cache import ATTENTION_NAME, CompressedCache
-from ..hf.layers import PositionsLayer
+from ..hf.layers import HandOverCache, PositionsLayer
 from ..models import attention_modules
 from ..read import read
 from ..session import Session
@@ -23,17 +22,13 @@ from ..store.slots import SlotPool, SlotTable
 from .request import Request
 
 
-class _BatchCache(Cache):
+class _BatchCache(HandOverCache):
     """One decoding step over many sessions (one per request, each with its own method)."""
 
     def __init__(self, runner: ModelRunner, sessions: list[Session]):
-        self.runner, self.sessions = runner, sessions
+        self.runner, self.sessions, self.attention_modules = runner, sessions, runner.modules
         # each request's positions come with the step; the kvcompress attention ignores transformers' mask
         super().__init__(layers=[PositionsLayer(lambda: 0) for _ in range(runner.num_layers)])
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self.runner.modules[layer_idx]._kvcompress_pending = (self, layer_idx)
-        return key_states, value_states
 
     def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
         return self.runner.decode_layer(self.sessions, layer_idx, query, key, value, position_ids, scaling, hidden)

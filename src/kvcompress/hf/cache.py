@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, AutoTokenizer
-from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -31,7 +30,7 @@ from ..methods import Needs, Policy, get_method
 from ..models import attention_modules, decoder_stack, model_facts, rotary_embedding
 from ..session import Session
 from ..store.slots import SlotPool
-from .layers import PositionsLayer
+from .layers import HandOverCache, PositionsLayer, take_pending
 from .replay import ReplayPrompts, run_replay
 
 ATTENTION_NAME = "kvcompress"
@@ -39,7 +38,7 @@ ATTENTION_NAME = "kvcompress"
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface entry: a CompressedCache layer if one is pending, else SDPA."""
-    pending = module.__dict__.pop("_kvcompress_pending", None)
+    pending = take_pending(module)
     hidden = module.__dict__.pop("_kvcompress_hidden", None)  # the input hook's record: never kept past its forward
     if pending is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -72,7 +71,7 @@ def token_valid_from_mask(mask: torch.Tensor | None, batch: int, length: int) ->
     return None if bool(valid.all()) else valid
 
 
-class CompressedCache(Cache):
+class CompressedCache(HandOverCache):
     """A transformers ``Cache`` that compresses each layer with a kvcompress method.
 
     Use it like any cache: ``model.generate(ids, past_key_values=CompressedCache(model, method))``.
@@ -108,7 +107,7 @@ class CompressedCache(Cache):
         modules = attention_modules(model)
         use_kvcompress_attention(model)
         self._config = model.config
-        self._modules = modules
+        self.attention_modules = modules
         needs = method.needs()
         observe = dataclasses.replace(
             needs,
@@ -175,8 +174,7 @@ class CompressedCache(Cache):
                 f"CompressedCache needs attn_implementation='{ATTENTION_NAME}' but the model uses "
                 f"'{self._config._attn_implementation}'; build the cache after any set_attn_implementation call."
             )
-        self._modules[layer_idx]._kvcompress_pending = (self, layer_idx)
-        return key_states, value_states
+        return super().update(key_states, value_states, layer_idx)
 
     def reorder_cache(self, beam_idx):  # noqa: D102
         raise NotImplementedError("CompressedCache does not support beam search; use greedy or sampling.")
@@ -212,7 +210,7 @@ class CompressedCache(Cache):
 
     def replay(self, decoder, input_ids: torch.Tensor | None) -> None:
         """Right after the prefill of ``input_ids`` (a method that replays the prompt): replay it, then compress."""
-        run_replay(decoder, self.session, self._modules, self._replay_prompts, input_ids)
+        run_replay(decoder, self.session, self.attention_modules, self._replay_prompts, input_ids)
 
     # ----- prefill once, compress many ----------------------------------------------------
     def fork(self, method: Policy) -> CompressedCache:

@@ -1,17 +1,47 @@
-"""The cache layer transformers sees for every kvcompress cache: its length, never its entries.
+"""What every kvcompress cache shows transformers: layers that hold nothing, and a hand-over of each layer.
 
-A ``CompressedCache``, the engine's batched decoding step and KVzip's replay each hand every layer
-to the kvcompress attention function, which reads and writes the slot store itself; transformers
-only asks a cache layer how many token positions it has seen (new tokens' positions and mask sizes
-follow from it). ``PositionsLayer`` answers that from a function, so each cache says where its
-count lives.
+A ``CompressedCache``, the engine's batched decoding step and KVzip's replay are ``HandOverCache``s: a
+layer's ``update`` marks the layer's attention module as pending for this cache (``hand_over``), and the
+kvcompress attention function takes it (``take_pending``) and lets the cache attend (``attend``), reading
+and writing the slot store itself. transformers only asks a cache layer how many token positions it has
+seen (new tokens' positions and mask sizes follow from it): ``PositionsLayer`` answers that from a
+function, so each cache says where its count lives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from transformers.cache_utils import CacheLayerMixin
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+PENDING = "_kvcompress_pending"  # the attribute of an attention module that names the cache and layer it is handed to
+
+
+def hand_over(module: torch.nn.Module, cache: HandOverCache, layer_idx: int) -> None:
+    """Let the kvcompress attention function give ``module``'s next forward to ``cache`` as layer ``layer_idx``."""
+    setattr(module, PENDING, (cache, layer_idx))
+
+
+def take_pending(module: torch.nn.Module) -> tuple[HandOverCache, int] | None:
+    """The (cache, layer) ``module``'s forward was handed to, once (None: a plain forward)."""
+    return module.__dict__.pop(PENDING, None)
+
+
+class HandOverCache(Cache):
+    """A cache whose layers the kvcompress attention function attends: ``update`` hands the layer over (the
+    entries are not given to transformers), ``attend`` is the layer's attention. ``attention_modules``: the
+    model's attention module per layer."""
+
+    attention_modules: Sequence[torch.nn.Module]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):  # noqa: D102
+        hand_over(self.attention_modules[layer_idx], self, layer_idx)
+        return key_states, value_states
+
+    def attend(self, layer_idx: int, module, query, key, value, mask, scaling: float, position_ids, hidden=None) -> torch.Tensor:
+        """The layer's attention output [B, Hq, q, d] for queries and new keys/values [B, H, q, d]."""
+        raise NotImplementedError
 
 
 class PositionsLayer(CacheLayerMixin):
@@ -41,4 +71,4 @@ class PositionsLayer(CacheLayerMixin):
         return -1
 
 
-__all__ = ["PositionsLayer"]
+__all__ = ["HandOverCache", "PositionsLayer", "hand_over", "take_pending"]

@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
 from ..session import Session
-from .layers import PositionsLayer
+from .layers import HandOverCache, PositionsLayer
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -58,16 +57,12 @@ class ReplayPrompts:
         return inputs
 
 
-class _ReplayCache(Cache):
+class _ReplayCache(HandOverCache):
     """One replay chunk through the decoder: each layer's attention goes to ``Session.replay_layer``."""
 
     def __init__(self, session: Session, modules):
-        self.session, self.modules = session, modules
+        self.session, self.attention_modules = session, modules
         super().__init__(layers=[PositionsLayer(lambda seen=layer.seen: seen) for layer in session.layers])
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self.modules[layer_idx]._kvcompress_pending = (self, layer_idx)
-        return key_states, value_states
 
     def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
         module.__dict__.pop("_kvcompress_hidden_stats", None)  # the prefill's statistics were taken already

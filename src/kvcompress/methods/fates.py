@@ -21,8 +21,8 @@ class Drop(Fate):
     def evict(self, policy, view, context, ranking, per_head, budgets) -> Edit:
         return Edit(keep=top_per_head(ranking.key, per_head))
 
-    def decode_evict(self, policy, view, context, col_sums, per_head, budgets) -> Edit:
-        return Edit(keep=top_per_head(policy.score.decode_key(view, context, col_sums, budgets), per_head))
+    def decode_evict(self, policy, view, context, col_sums, key, per_head, budgets) -> Edit:
+        return Edit(keep=top_per_head(key(), per_head))
 
 
 __all__ = ["Drop"]

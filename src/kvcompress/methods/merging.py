@@ -432,7 +432,7 @@ class Merge(Fate):
 
     # ----- decoding --------------------------------------------------------------------------
     @torch.no_grad()
-    def decode_evict(self, policy, view, context, col_sums, per_head, budgets) -> Edit:
+    def decode_evict(self, policy, view, context, col_sums, key, per_head, budgets) -> Edit:
         """Heads holding more than ``per_head`` merge their lowest entries (outside the protected ones) back to it,
         against the current query."""
         protected = policy.score.decode_protected(view, context, budgets)

@@ -176,7 +176,7 @@ class MomentKV(Fate):
         return Edit(keep=keep, summary=moments if self.correction and evicted else None, state={MOMENTS: moments})
 
     # ----- decoding -------------------------------------------------------------------------
-    def decode_evict(self, policy, view, context, col_sums, per_head, budgets) -> Edit:
+    def decode_evict(self, policy, view, context, col_sums, key, per_head, budgets) -> Edit:
         """The step's attention scores the eviction (computed only now: every ``slack`` steps), moment-informed."""
         attention = policy.score.decode_score(view, context, col_sums)
         protected = policy.score.decode_protected(view, context, budgets)

@@ -13,7 +13,8 @@ the parts; the spec grammar (spec.py) names them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -187,10 +188,10 @@ class Sizer(Part):
         layer's per-row budgets [B] (default: the layer's size, at most what each head holds)."""
         return capped(budgets, view)
 
-    def decode_per_head(self, policy, view: KVView, context: LayerContext, col_sums: torch.Tensor | None,
+    def decode_per_head(self, policy, view: KVView, context: LayerContext, key: Callable[[], torch.Tensor],
                         budgets: torch.Tensor, slack: int) -> torch.Tensor | None:
         """While decoding, [B, H]: back to the size where a head holds more than size + ``slack``, the other heads
-        as they are; None when no head does."""
+        as they are; None when no head does. ``key()``: the scorer's decoding key [B, H, L] (made once, on first use)."""
         lengths = view.lengths
         over = lengths > budgets[:, None].to(lengths.device) + slack
         if not bool(over.any()):
@@ -218,13 +219,14 @@ class Fate(Part):
                budgets: torch.Tensor, slack: int) -> Edit | None:
         """After a decoding step's read, for a policy that evicts: back to ``budgets`` [B] where a head holds more
         than size + ``slack`` (the sizer says where)."""
-        per_head = policy.sizes.decode_per_head(policy, view, context, col_sums, budgets, slack)
-        return None if per_head is None else self.decode_evict(policy, view, context, col_sums, per_head, budgets)
+        key = functools.cache(functools.partial(policy.score.decode_key, view, context, col_sums, budgets))
+        per_head = policy.sizes.decode_per_head(policy, view, context, key, budgets, slack)
+        return None if per_head is None else self.decode_evict(policy, view, context, col_sums, key, per_head, budgets)
 
     def decode_evict(self, policy, view: KVView, context: LayerContext, col_sums: torch.Tensor | None,
-                     per_head: torch.Tensor, budgets: torch.Tensor) -> Edit:
+                     key: Callable[[], torch.Tensor], per_head: torch.Tensor, budgets: torch.Tensor) -> Edit:
         """While decoding: keep ``per_head`` [B, H] entries per head (fewer than it holds where it holds more than
-        its size), the rows' sizes being ``budgets`` [B]."""
+        its size), the rows' sizes being ``budgets`` [B]; ``key()`` the scorer's decoding key (made once, when asked)."""
         raise NotImplementedError
 
 
@@ -256,9 +258,9 @@ class Reads(Part):
     def has_own_size(self) -> bool:
         return self.read_budget is not None or self.read_ratio is not None
 
-    @property
+    @functools.cached_property
     def own_size(self) -> Budget:
-        """The entries read per step and KV head when the policy's size is what its scorer keeps."""
+        """The entries read per step and KV head when the policy's size is what its scorer keeps (checked once)."""
         return Budget.check(f"{self.name} (read_budget or read_ratio)", self.read_budget, self.read_ratio)
 
     def check(self, policy) -> None:

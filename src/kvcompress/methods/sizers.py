@@ -96,7 +96,7 @@ class Global(Sizer):
     def per_head(self, key, budgets, view, context) -> torch.Tensor:
         raise AssertionError("a global sizer's sizes come from its plan")
 
-    def decode_per_head(self, policy, view: KVView, context: LayerContext, col_sums, budgets: torch.Tensor,
+    def decode_per_head(self, policy, view: KVView, context: LayerContext, key, budgets: torch.Tensor,
                         slack: int) -> torch.Tensor | None:
         """Every layer at once (rows l·B + b): the requests holding more than their total + ``slack`` re-ranked."""
         if context.layer_idx >= 0:
@@ -108,9 +108,9 @@ class Global(Sizer):
         over = totals > allowed + slack
         if not bool(over.any()):
             return None
-        key = policy.score.decode_key(view, context, col_sums, budgets)
-        protected = key >= PROTECTED_PRIORITY
-        keys = list(key.split(rows))
+        ranked = key()
+        protected = ranked >= PROTECTED_PRIORITY
+        keys = list(ranked.split(rows))
         sizes = global_sizes(keys, torch.clamp(allowed - protected.view(layers, rows, -1).sum(dim=(0, 2)).cpu(), min=0))
         per_head = torch.cat([plus_protected(s, p, n) for s, p, n in zip(sizes, protected.split(rows), view.lengths.split(rows))])
         return torch.where(over.repeat(layers).to(per_head.device)[:, None], per_head, view.lengths.to(per_head.device))
