@@ -33,6 +33,7 @@ from ..generate import eos_ids
 from ..methods import Policy, get_method
 from ..models import load_model, model_facts
 from ..store.slots import PoolExhausted, SlotPool
+from .packed import pack_linears, packed_bytes, unpack_linears
 from .request import Request, RequestOutput
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample, token_logprob
@@ -48,17 +49,22 @@ class LLM:
         max_num_seqs: requests decoded together at most.
         dtype, device, seed, max_model_len: see ``kvcompress.config.Config``.
         model_and_tokenizer: an already loaded (model, tokenizer) pair instead of ``model``.
+        pack_weights: on the CPU, run the model's linear layers over oneDNN-packed copies of their weights
+            (``engine/packed.py``: about 2.4× faster products, one more copy of those weights' bytes, in
+            ``packed_weight_bytes``); False: transformers' own.
     """
 
     def __init__(self, model: str | None = None, kv_memory: int | str = "1GiB", max_num_seqs: int = 64, *,
                  dtype: str = "auto", device: str = "cpu", seed: int = 0, max_model_len: int | None = None,
-                 model_and_tokenizer: tuple[Any, Any] | None = None):
+                 model_and_tokenizer: tuple[Any, Any] | None = None, pack_weights: bool = True):
         self.config = Config(model=model, kv_memory=kv_memory, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                              dtype=dtype, device=device, seed=seed)
         if model_and_tokenizer is None:
             dtype_arg = torch.float32 if (dtype == "auto" and torch.device(device).type == "cpu") else dtype
             model_and_tokenizer = load_model(model, dtype=dtype_arg, device=device)
         self.model, self.tokenizer = model_and_tokenizer
+        (pack_linears if pack_weights else unpack_linears)(self.model)
+        self.packed_weight_bytes = packed_bytes(self.model)
         facts = model_facts(self.model)
         self.max_model_len = min(max_model_len or facts.max_positions, facts.max_positions)
         weight = next(self.model.parameters())

@@ -130,16 +130,26 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : e * scale;
 }
 
+// A stored number as float32: bfloat16 by its bits (a shift the compiler vectorizes), float16 by c10's conversion.
+inline float to_float(float x) { return x; }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 template <typename scalar_t>
 inline float dot(const float* q, const scalar_t* k, int64_t d) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < d; ++c) sum += q[c] * static_cast<float>(k[c]);
+  for (int64_t c = 0; c < d; ++c) sum += q[c] * to_float(k[c]);
   return sum;
 }
 
-// logits[g · BLOCK] = q_g · k + bias for the G queries of a group: k is loaded once per 16 channels for up to
-// four queries at a time, each with its own accumulators (no dependency chain across queries or channels).
+// logits[g · BLOCK] = q_g · k + bias for the G queries of a group: 16 channels of k at a time for up to four
+// queries, each with its own accumulators (no dependency chain across queries or channels).
 template <typename scalar_t>
 inline void group_dots(const float* q, int64_t groups, const scalar_t* k, int64_t d, float bias, float* logits) {
   constexpr int64_t LANES = 16;
@@ -148,20 +158,17 @@ inline void group_dots(const float* q, int64_t groups, const scalar_t* k, int64_
     const int64_t n = std::min<int64_t>(4, groups - g0);
     float acc[4][LANES] = {};
     for (int64_t c = 0; c < body; c += LANES) {
-      float key[LANES];
-#pragma omp simd
-      for (int64_t j = 0; j < LANES; ++j) key[j] = static_cast<float>(k[c + j]);
-      for (int64_t g = 0; g < n; ++g) {
+      for (int64_t g = 0; g < n; ++g) {  // the row's 16 numbers converted in registers (no buffer: no store-to-load stall)
         const float* qg = q + (g0 + g) * d + c;
 #pragma omp simd
-        for (int64_t j = 0; j < LANES; ++j) acc[g][j] += qg[j] * key[j];
+        for (int64_t j = 0; j < LANES; ++j) acc[g][j] += qg[j] * to_float(k[c + j]);
       }
     }
     for (int64_t g = 0; g < n; ++g) {
       float sum = bias;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < LANES; ++j) sum += acc[g][j];
-      for (int64_t c = body; c < d; ++c) sum += q[(g0 + g) * d + c] * static_cast<float>(k[c]);
+      for (int64_t c = body; c < d; ++c) sum += q[(g0 + g) * d + c] * to_float(k[c]);
       logits[(g0 + g) * BLOCK] = sum;
     }
   }
@@ -170,7 +177,7 @@ inline void group_dots(const float* q, int64_t groups, const scalar_t* k, int64_
 template <typename scalar_t>
 inline void axpy(float* acc, float p, const scalar_t* v, int64_t d) {
 #pragma omp simd
-  for (int64_t c = 0; c < d; ++c) acc[c] += p * static_cast<float>(v[c]);
+  for (int64_t c = 0; c < d; ++c) acc[c] += p * to_float(v[c]);
 }
 
 // The entries of one block of a head, sorted out: kind 0 = a hole (skipped), 1 = a plain slot, 2 = a KIVI-coded
