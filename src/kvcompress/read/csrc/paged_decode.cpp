@@ -12,7 +12,7 @@
 // KIVI-coded entries are read in place too: an entry id with the KIVI tier's bits (tier << 27 | block · G + offset)
 // names an entry of a block of G entries of one head (read/paged.py's `KiviBlocks`). Its key is z + c · s per
 // channel (z, s the block's per-channel zero point and scale), so q · k = q · z + (q ⊙ s) · c: q · z and q ⊙ s are
-// made once per block, and a coded key costs one dot product over its unpacked codes. Its value is z + c · s per
+// made once per block, and a coded key costs one dot product over its codes (unpacked in registers). Its value is z + c · s per
 // channel group of the entry, decoded into a float32 row before it is accumulated.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -67,22 +68,21 @@ inline void params(const void* base, int64_t offset, int64_t n, Param type, floa
   }
 }
 
-// A byte's 8 / bits codes as float32, the first from the lowest bits (a table per width: unpacking is a copy).
-template <int BITS>
-struct CodeTable {
-  static constexpr int PER = 8 / BITS;
-  float codes[256][PER];
-  CodeTable() {
-    for (int b = 0; b < 256; ++b)
-      for (int i = 0; i < PER; ++i) codes[b][i] = static_cast<float>((b >> (i * BITS)) & ((1 << BITS) - 1));
-  }
-};
-
+// d codes of BITS bits (packed 8 / BITS to a byte, the first in the lowest bits) → float32 codes [d]. Sixteen
+// channels at a time come from one 32-bit (2 bits) or 64-bit (4 bits) word, shifted and masked in registers, and
+// leave as one 64-byte store (smaller stores read back as one wide load would stall the dot product that follows).
 template <int BITS>
 inline void unpack_codes(const uint8_t* packed, float* codes, int64_t d) {
-  static const CodeTable<BITS> table;
-  constexpr int PER = CodeTable<BITS>::PER;
-  for (int64_t byte = 0; byte < d / PER; ++byte) std::memcpy(codes + byte * PER, table.codes[packed[byte]], sizeof(float) * PER);
+  using word_t = std::conditional_t<BITS == 2, uint32_t, uint64_t>;
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  const int64_t body = d - d % 16;
+  for (int64_t c0 = 0; c0 < body; c0 += 16) {
+    word_t word;
+    std::memcpy(&word, packed + c0 * BITS / 8, sizeof(word));
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) codes[c0 + j] = static_cast<float>(static_cast<uint32_t>(word >> (j * BITS)) & MASK);
+  }
+  for (int64_t c = body; c < d; ++c) codes[c] = static_cast<float>((packed[c * BITS / 8] >> ((c % (8 / BITS)) * BITS)) & MASK);
 }
 
 inline void unpack(const Kivi& kivi, const uint8_t* packed, float* codes, int64_t d) {
