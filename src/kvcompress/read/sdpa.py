@@ -117,22 +117,61 @@ def replay_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     b, hq, q, d = query.shape
     heads, length = keys.shape[1], keys.shape[2]
     groups = hq // heads
+    before = key_valid is None and (length == 0 or bool(key_positions.max() < query_positions.min()))
+    if before and query.device.type == "cpu" and _CPU_FLASH is not None:
+        attend = _replay_block_after_held(query, keys, values, new_keys, new_values, scaling)
+    else:
+        attend = _replay_block_masked(query, keys, values, key_positions, key_valid, new_keys, new_values, query_positions, scaling)
+    held = keys.float().transpose(-1, -2)  # [B, H, d, L]
+    outs, best = [], torch.full((b, heads, length), float("-inf"), device=keys.device)
+    for start in range(0, q, block):
+        part = slice(start, min(q, start + block))
+        rows = query[:, :, part].reshape(b, heads, groups, -1, d).reshape(b, heads, -1, d)  # the group folded: [B, H, G·q', d]
+        out, lse = attend(rows, part)
+        outs.append(out.view(b, heads, groups, -1, d))
+        logits = torch.matmul(rows.float(), held).mul_(scaling).sub_(lse.float().view(b, heads, -1, 1))  # [B, H, G·q', L]
+        if not before:
+            hidden = key_positions[:, :, None, :] > query_positions[:, None, part, None]  # [B, H, q', L]
+            if key_valid is not None:
+                hidden |= ~key_valid[:, :, None, :]
+            logits = logits.view(b, heads, groups, -1, length).masked_fill_(hidden[:, :, None], float("-inf")).view(b, heads, -1, length)
+        best = torch.maximum(best, logits.amax(dim=2))
+    return torch.cat(outs, dim=3).reshape(b, hq, q, d), best.exp_()
+
+
+def _replay_block_after_held(query, keys, values, new_keys, new_values, scaling):
+    """A block of replay queries (the group folded, [B, H, G·q', d]) when every held entry is real and before every
+    query: one additive mask [G·q', L + q] for all rows and heads (held: seen; new: causal), the flash kernel."""
+    b, heads, length, d = keys.shape
+    groups, q = query.shape[1] // heads, new_keys.shape[2]
+    every_key, every_value = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
+
+    def attend(rows: torch.Tensor, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        later = torch.arange(q, device=rows.device)[None, :] > torch.arange(part.start, part.stop, device=rows.device)[:, None]
+        mask = torch.zeros(later.shape[0], length + q, dtype=rows.dtype, device=rows.device)
+        mask[:, length:].masked_fill_(later, float("-inf"))
+        return _CPU_FLASH(rows, every_key.to(rows.dtype), every_value.to(rows.dtype), 0.0, False,
+                          attn_mask=mask.repeat(groups, 1)[None, None], scale=scaling)
+
+    return attend
+
+
+def _replay_block_masked(query, keys, values, key_positions, key_valid, new_keys, new_values, query_positions, scaling):
+    """A block of replay queries (the group folded, [B, H, G·q', d]) over held entries anywhere (holes, positions):
+    ``read_masked`` over a view of the held and new entries."""
+    b, heads = keys.shape[:2]
+    groups, q = query.shape[1] // heads, new_keys.shape[2]
     new_positions = query_positions[:, None, :].expand(b, heads, q)
     valid = None if key_valid is None else torch.cat([key_valid, torch.ones_like(new_positions, dtype=torch.bool)], dim=2)
     whole = KVView.of(torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2),
                       torch.cat([key_positions, new_positions], dim=2), valid=valid)
-    grouped, held = group_queries(query, heads).float(), keys.float().transpose(-1, -2)[:, :, None]  # [B, H, G, q, d], [B, H, 1, d, L]
-    outs, best = [], torch.full((b, heads, length), float("-inf"), device=keys.device)
-    for start in range(0, q, block):
-        part = slice(start, start + block)
-        out, lse, _ = read_masked(query[:, :, part], query_positions[:, part], whole, scaling)
-        outs.append(out)
-        hidden = key_positions[:, :, None, :] > query_positions[:, None, part, None]  # [B, H, q', L]
-        if key_valid is not None:
-            hidden |= ~key_valid[:, :, None, :]
-        logits = torch.matmul(grouped[:, :, :, part], held).mul_(scaling).sub_(lse.view(b, heads, groups, -1, 1))
-        best = torch.maximum(best, logits.masked_fill_(hidden[:, :, None], float("-inf")).amax(dim=(2, 3)))
-    return torch.cat(outs, dim=2), best.exp_()
+
+    def attend(rows: torch.Tensor, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        unfolded = rows.view(b, heads, groups, -1, rows.shape[-1]).reshape(b, heads * groups, -1, rows.shape[-1])
+        out, lse, _ = read_masked(unfolded, query_positions[:, part], whole, scaling)
+        return out.view(b, heads, -1, rows.shape[-1]), lse.view(b, heads, -1)
+
+    return attend
 
 
 # ----- the prompt ----------------------------------------------------------------------------
