@@ -6,8 +6,8 @@ group gives it while the model, with the prompt's cache as prefix, is made to re
 softmax taken over everything the query sees (METHODS.md, "KVzip"). The score asks no question, so
 one compressed prompt serves any later question. Long prompts are replayed in chunks of ``chunk``
 tokens, each chunk's queries attending to the whole prompt and to the chunk (``hf/replay.py``): one
-more pass over the prompt (measured here at 4.0× a prefill at 2k tokens, its attention being the
-float32 one that materialises every weight). The lowest scores leave; the ``kvzip`` preset ranks once over
+more pass over the prompt (measured here at 2.28× a prefill at 2k tokens: the flash kernel's
+output and log-sum-exp, each entry's largest weight as exp of its largest logit less the lse). The lowest scores leave; the ``kvzip`` preset ranks once over
 every layer and head (+global, the paper's non-uniform budgets: each head keeps its own share), ``sinks``
 first tokens always kept.
 """
