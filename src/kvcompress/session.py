@@ -135,8 +135,8 @@ class Session:
         attention any of the chunk's queries gives it (the largest over chunks so far). Nothing is stored:
         output [B, Hq, q, d]."""
         layer, view = self.layers[layer_idx], self.view(layer_idx)
-        out, best = replay_attention(query, view.keys, view.values, view.positions, view.valid, key, value,
-                                            positions, layer.scaling)
+        out, best = replay_attention(query, view.keys, view.values, view.positions, view.valid, key, value, positions,
+                                     layer.scaling)
         seen = layer.observations.get("replay_scores")
         layer.observations["replay_scores"] = best if seen is None else torch.maximum(seen, best)
         return out.to(query.dtype)

@@ -8,7 +8,7 @@ plain arrays; ``tables`` one int32 [H, L_r] slot table per row (any strides: a v
 table, so nothing is concatenated or copied), slot 0 = a hole (padding, or an entry a selection left
 out), skipped; ``lengths`` int64 [R, H], the entries of each head; ``log_weights`` one float32 [H, L_r]
 per row or None, added to the logits; ``kivi`` the one tier of KIVI blocks the tables may name (``store.view.KiviBlocks``:
-an id ``tier << 27 | block · G + offset``), read and dequantised in place, or None (plain slots only). Returns ``out`` [R, Hq, d] in the query's dtype and ``lse``
+an id ``tier << TIER_SHIFT | block · G + offset``), read and dequantised in place, or None (plain slots only). Returns ``out`` [R, Hq, d] in the query's dtype and ``lse``
 [R, Hq] float32 (-inf where a head holds nothing, whose output is 0).
 
 * On the CPU: a small C++ kernel (``csrc/paged_decode.cpp``), compiled on first use with the system's C++
@@ -87,7 +87,8 @@ def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     scaled = (query.float() * scaling).contiguous()
     spec = [] if kivi is None else [kivi.tier, kivi.codec.bits, kivi.codec.block_size, kivi.codec.channel_group(query.shape[-1])]
     arrays = [] if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
-    out, lse = kernel.paged_decode(scaled, keys, values, tables, lengths.to(torch.long).contiguous(), weights, spec, arrays)
+    out, lse = kernel.paged_decode(scaled, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT, spec,
+                                   arrays)
     return out.to(query.dtype), lse
 
 

@@ -144,14 +144,14 @@ def _replay_block_after_held(query, keys, values, new_keys, new_values, scaling)
     query: one additive mask [G·q', L + q] for all rows and heads (held: seen; new: causal), the flash kernel."""
     b, heads, length, d = keys.shape
     groups, q = query.shape[1] // heads, new_keys.shape[2]
-    every_key, every_value = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
+    every_key = torch.cat([keys, new_keys], dim=2).to(query.dtype)  # once, in the queries' dtype, for every block
+    every_value = torch.cat([values, new_values], dim=2).to(query.dtype)
 
     def attend(rows: torch.Tensor, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
         later = torch.arange(q, device=rows.device)[None, :] > torch.arange(part.start, part.stop, device=rows.device)[:, None]
         mask = torch.zeros(later.shape[0], length + q, dtype=rows.dtype, device=rows.device)
         mask[:, length:].masked_fill_(later, float("-inf"))
-        return _CPU_FLASH(rows, every_key.to(rows.dtype), every_value.to(rows.dtype), 0.0, False,
-                          attn_mask=mask.repeat(groups, 1)[None, None], scale=scaling)
+        return _CPU_FLASH(rows, every_key, every_value, 0.0, False, attn_mask=mask.repeat(groups, 1)[None, None], scale=scaling)
 
     return attend
 

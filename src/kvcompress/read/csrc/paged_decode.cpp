@@ -9,7 +9,7 @@
 // log-sum-exp. Out: the attention output [R, Hq, d] and the log partition function [R, Hq] (float32,
 // -inf where a head has no entry).
 //
-// KIVI-coded entries are read in place too: an entry id with the KIVI tier's bits (tier << 27 | block · G + offset)
+// KIVI-coded entries are read in place too: an entry id with the KIVI tier's bits (tier << shift | block · G + offset)
 // names an entry of a block of G entries of one head (read/paged.py's `KiviBlocks`). Its key is z + c · s per
 // channel (z, s the block's per-channel zero point and scale), so q · k = q · z + (q ⊙ s) · c: q · z and q ⊙ s are
 // made once per block, and a coded key costs one dot product over its codes (unpacked in registers). Its value is z + c · s per
@@ -41,10 +41,12 @@ struct Table {
   int64_t weight_head_stride, weight_entry_stride;
 };
 
-// Where KIVI-coded entries live: one tier's arrays (read/paged.py's `KiviBlocks`); tier 0 = no coded entries.
+// Where KIVI-coded entries live: one tier's arrays (read/paged.py's `KiviBlocks`); tier 0 = no coded entries. An
+// entry id is tier << shift | place in the tier (the store's layout, given by the caller).
 enum class Param { f16, bf16, f32 };
 
 struct Kivi {
+  int64_t shift = 0, mask = 0;
   int64_t tier = 0, bits = 0, group = 0, channel_group = 0, blocks = 0, packed = 0, value_groups = 0;
   const uint8_t* key_codes = nullptr;    // [blocks, group, packed]
   const uint8_t* value_codes = nullptr;  // [blocks, group, packed]
@@ -54,9 +56,6 @@ struct Kivi {
   const void* value_scale = nullptr;     // [blocks, group, value_groups]
   Param param = Param::f16;
 };
-
-constexpr int64_t TIER_SHIFT = 27;
-constexpr int64_t ENTRY_MASK = (int64_t{1} << TIER_SHIFT) - 1;
 
 // A stored number as float32: bfloat16 by its bits (a shift the compiler vectorizes), float16 by F16C where the CPU has it.
 inline float to_float(float x) { return x; }
@@ -196,12 +195,12 @@ enum Kind : uint8_t { HOLE = 0, PLAIN = 1, CODED = 2 };
 inline Kind classify(int64_t id, int64_t num_slots, const Kivi& kivi, int64_t& where, std::atomic<bool>& out_of_range) {
   where = 0;
   if (id == 0) return HOLE;
-  const int64_t tier = id >> TIER_SHIFT;
+  const int64_t tier = id >> kivi.shift;
   if (tier == 0 && id < num_slots) {
     where = id;
     return PLAIN;
   }
-  const int64_t e = id & ENTRY_MASK;
+  const int64_t e = id & kivi.mask;
   if (tier != 0 && tier == kivi.tier && e / kivi.group > 0 && e / kivi.group < kivi.blocks) {
     where = e;
     return CODED;
@@ -353,9 +352,11 @@ Param param_type(const at::Tensor& t) {
   return Param::f32;
 }
 
-// The KIVI tier's description, checked: spec (tier, bits, group, channel group) and its six arrays.
-Kivi kivi_tier(const std::vector<int64_t>& spec, const std::vector<at::Tensor>& arrays, int64_t d) {
+// The KIVI tier's description, checked: the ids' tier shift, spec (tier, bits, group, channel group) and its six arrays.
+Kivi kivi_tier(int64_t tier_shift, const std::vector<int64_t>& spec, const std::vector<at::Tensor>& arrays, int64_t d) {
+  TORCH_CHECK(tier_shift > 0 && tier_shift < 31, "tier_shift: the bits of an entry id below its tier (1-30)");
   Kivi kivi;
+  kivi.shift = tier_shift, kivi.mask = (int64_t{1} << tier_shift) - 1;
   if (spec.empty()) return kivi;
   TORCH_CHECK(spec.size() == 4 && arrays.size() == 6, "kivi: (tier, bits, group, channel group) and six arrays");
   kivi.tier = spec[0], kivi.bits = spec[1], kivi.group = spec[2], kivi.channel_group = spec[3];
@@ -385,12 +386,13 @@ Kivi kivi_tier(const std::vector<int64_t>& spec, const std::vector<at::Tensor>& 
 
 // query [R, Hq, d] float32 (scaled); keys, values [S, d] (float32, bfloat16 or float16); tables: per row an int32
 // [H, L_r] slot table (any strides); lengths [R, H] int64; weights: per row a float32 [H, L_r] log-weight table
-// or an empty tensor; kivi: (tier, bits, group, channel group) of the KIVI tier read in place and its arrays
+// or an empty tensor; tier_shift: an entry id is tier << tier_shift | its place in the tier (0: a plain slot);
+// kivi: (tier, bits, group, channel group) of the KIVI tier read in place and its arrays
 // (key_codes, key_zero, key_scale, value_codes, value_zero, value_scale), or both empty. Returns (out [R, Hq, d]
 // float32, lse [R, Hq] float32).
 std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
-                                     const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kivi_spec,
+                                     const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
                                      const std::vector<at::Tensor>& kivi_arrays) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: float32 [R, Hq, d], contiguous");
   TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
@@ -419,7 +421,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& 
     }
     views.push_back(view);
   }
-  const Kivi kivi = kivi_tier(kivi_spec, kivi_arrays, query.size(2));
+  const Kivi kivi = kivi_tier(tier_shift, kivi_spec, kivi_arrays, query.size(2));
   auto out = at::empty(query.sizes(), query.options());
   auto lse = at::empty({query.size(0), query.size(1)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode",
