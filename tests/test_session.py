@@ -2,9 +2,13 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import layers_of, left_padded_batch, tiny_model
 from kvcompress import CompressedCache, get_method
+from kvcompress.session import Session
+from kvcompress.store.slots import SlotPool
 
 
 def _ids(n, seed=1):
@@ -92,3 +96,62 @@ def test_acting_on_every_layer_at_once_equals_layer_by_layer(name):
         assert all(torch.allclose(va.channels[k], vb.channels[k], atol=1e-6) for k in va.channels)
     assert stacked.stats()["entries"] == layered.stats()["entries"]
     assert stacked.stats().get("merge_counts") == layered.stats().get("merge_counts")
+
+
+# ----- a prompt prefilled in chunks ------------------------------------------------------------
+CHUNKED_METHODS = ["full", "snapkv:budget=12:window=4", "h2o:budget=12", "quest:budget=16", "keepkv:budget=12",
+                   "adakv:budget=12:window=4", "snapkv:budget=12:window=4+kivi:bits=4"]
+
+
+def _prefill_in_pieces(method, queries, keys, values, cuts):
+    """A one-layer session with the prompt prefilled in the pieces ``cuts`` makes; the outputs joined."""
+    session = Session(method, SlotPool(keys.shape[-1]), num_layers=1, num_kv_heads=keys.shape[1])
+    positions = torch.arange(keys.shape[2])[None]
+    bounds = [0, *cuts, keys.shape[2]]
+    outs = []
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        part = (queries[:, :, start:end], keys[:, :, start:end], values[:, :, start:end], positions[:, start:end])
+        final = end == keys.shape[2]
+        if i == 0:
+            outs.append(session.prefill(0, *part, keys.shape[-1] ** -0.5, final=final))
+        else:
+            outs.append(session.prefill_more(0, *part, final=final))
+    return session, torch.cat(outs, dim=2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(length=st.integers(2, 70), cuts=st.sets(st.integers(1, 69), max_size=4), spec=st.sampled_from(CHUNKED_METHODS),
+       seed=st.integers(0, 2**16))
+def test_a_prompt_prefilled_in_chunks_equals_one_prefill(length, cuts, spec, seed):
+    """The outputs, the entries kept and what a method decodes from equal one prefill of the whole prompt (the
+    chunks attend the prompt so far; the window, the attention sums and the key pages grow as one prefill's)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, group, dim = 2, 2, 8
+    keys, values = torch.randn(1, heads, length, dim, generator=g), torch.randn(1, heads, length, dim, generator=g)
+    queries = torch.randn(1, heads * group, length, dim, generator=g) * 2
+    whole, whole_out = _prefill_in_pieces(get_method(spec), queries, keys, values, [])
+    chunked, chunked_out = _prefill_in_pieces(get_method(spec), queries, keys, values, sorted(c for c in cuts if c < length))
+    torch.testing.assert_close(chunked_out, whole_out, atol=2e-5, rtol=1e-4)
+    a, b = whole.view(0), chunked.view(0)
+    assert torch.equal(a.lengths, b.lengths)
+    assert torch.equal(a.positions, b.positions)  # the same entries kept, in the same places
+    torch.testing.assert_close(b.keys, a.keys, atol=2e-5, rtol=1e-4)  # merges (KeepKV) rewrite kept entries
+    assert whole.pool.num_used == chunked.pool.num_used and whole.kv_bytes() == chunked.kv_bytes()
+    step = torch.randn(1, heads * group, 1, dim, generator=g), torch.randn(1, heads, 1, dim, generator=g)
+    at = torch.tensor([[length]])
+    torch.testing.assert_close(chunked.decode(0, step[0], step[1], step[1], at), whole.decode(0, step[0], step[1], step[1], at),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_a_chunked_prefill_refuses_what_it_cannot_extend():
+    method = get_method("gvote")
+    session = Session(method, SlotPool(8), num_layers=1, num_kv_heads=1)
+    x = torch.randn(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="no prompt being prefilled in chunks"):
+        session.prefill_more(0, x, x, x, torch.arange(4)[None])
+    session.prefill(0, x, x, x, torch.arange(4)[None], 8**-0.5, final=False)
+    with pytest.raises(ValueError, match="prefilled in one piece"):
+        session.prefill_more(0, x, x, x, torch.arange(4, 8)[None])
+    with pytest.raises(ValueError, match="one unpadded row"):
+        Session(get_method("full"), SlotPool(8), num_layers=1, num_kv_heads=1).prefill(
+            0, x, x, x, torch.arange(4)[None], 8**-0.5, token_valid=torch.tensor([[False, True, True, True]]), final=False)

@@ -393,7 +393,8 @@ def _bench_engine(args) -> int:
 
     methods = [None if m.name == "full" else m for m in _grid(args)]
     out = _out_dir(args)
-    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed)
+    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              device=_device(args), dtype=args.dtype, seed=args.seed)
     rows = []
     for tokens in [int(x) for x in args.context_tokens.split(",")]:
         rows += bench_engine(llm, methods, requests=args.requests, context_tokens=tokens, max_tokens=args.max_tokens,
@@ -432,8 +433,8 @@ def cmd_serve(args) -> int:
     if args.replicas:
         return _serve_on_ray(args)  # its ReplicaSpec checks the method once, before any replica starts
     method = _method(args.method, args.budget, args.ratio)
-    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, device=_device(args), dtype=args.dtype, seed=args.seed,
-              max_model_len=args.max_model_len)
+    llm = LLM(args.model, kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              device=_device(args), dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens or llm.max_model_len - 1,
                     max_tokens=args.max_tokens_limit or llm.max_model_len - 1)
     name = args.served_model_name or _model_name(args)
@@ -453,7 +454,8 @@ def _serve_on_ray(args) -> int:
     _device(args)
     size = {"budget": args.budget} if args.budget is not None else {"ratio": args.ratio} if args.ratio is not None else {}
     spec = on_ray.ReplicaSpec(model=args.model, method=args.method, options=size, kv_memory=args.kv_memory,
-                              max_num_seqs=args.max_num_seqs, device=args.device, dtype=args.dtype, seed=args.seed,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              device=args.device, dtype=args.dtype, seed=args.seed,
                               max_model_len=args.max_model_len, max_prompt_tokens=args.max_prompt_tokens,
                               max_tokens=args.max_tokens_limit, max_queued=args.max_queued,
                               served_model_name=args.served_model_name or _model_name(args), threads=args.threads_per_replica)
@@ -721,6 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=_count, default=48, help="--engine: new tokens per request (default: 48)")
     b.add_argument("--kv-memory", default="200MiB", help="--engine: size of the KV pool (default: 200MiB)")
     b.add_argument("--max-num-seqs", type=_count, default=64, help="--engine: requests decoded together at most (default: 64)")
+    b.add_argument("--max-num-batched-tokens", type=_count, default=2048,
+                   help="--engine: tokens one step takes at most; longer prompts are prefilled in chunks (default: 2048)")
     b.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("report", formatter_class=_Help, help="merge comparable eval runs into one table and plot")
@@ -740,6 +744,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--ratio", type=float, help="fraction of context entries the default method keeps")
     sv.add_argument("--kv-memory", default="1GiB", help="size of the KV pool (default: 1GiB)")
     sv.add_argument("--max-num-seqs", type=_count, default=64, help="requests decoded together at most (default: 64)")
+    sv.add_argument("--max-num-batched-tokens", type=_count, default=2048,
+                    help="tokens one step takes at most; longer prompts are prefilled in chunks (default: 2048)")
     sv.add_argument("--max-model-len", type=int, default=None, help="prompt + answer tokens at most (default: the model's)")
     sv.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the model's)")
     sv.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: the model's)")

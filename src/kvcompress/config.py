@@ -40,6 +40,8 @@ class Config:
         model: checkpoint dir, ``.gguf`` file, hub id or None (the embedded default model).
         kv_memory: bytes (or a size string) of the KV slot pool, allocated once.
         max_num_seqs: requests decoded together at most.
+        max_num_batched_tokens: tokens one step's forward takes at most: a token per decoding request, the
+            rest from prompts (a longer prompt is prefilled in chunks); at least ``max_num_seqs``.
         max_model_len: prompt + generated tokens per request at most (None: the model's positions).
         dtype: ``"auto"`` (the checkpoint's dtype on GPU, float32 on CPU) or a torch dtype name.
         device: ``"cpu"``, ``"cuda"``, ...
@@ -49,6 +51,7 @@ class Config:
     model: str | None = None
     kv_memory: int | str = "1GiB"
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
@@ -58,6 +61,9 @@ class Config:
         self.kv_memory = parse_size(self.kv_memory)
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a whole number ≥ 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be a whole number ≥ max_num_seqs ({self.max_num_seqs}): a step holds a "
+                             f"token of every decoding request and room for prompts; got {self.max_num_batched_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be ≥ 2 tokens, got {self.max_model_len!r}")
         self.device = str(torch.device(self.device))

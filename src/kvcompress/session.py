@@ -11,7 +11,10 @@ and the token counts.
   (peak memory stays one layer's prompt); one that plans across layers
   (``plans_globally``) is planned once the last layer is observed. A method that scores by a
   replay of the prompt (``Needs.replay``: KVzip) waits for it: ``replay_layer`` takes each
-  layer of each replay chunk, ``finish_replay`` compresses.
+  layer of each replay chunk, ``finish_replay`` compresses. A long prompt may come in chunks
+  (the engine's chunked prefill): ``prefill(..., final=False)`` then ``prefill_more`` per chunk,
+  each chunk attending the prompt so far; the observations grow as one prefill's would, and the
+  layer is compressed after its last chunk.
 * ``decode(layer, ...)``: append the new entries in place, read, let the method act. A
   method that decodes row by row (``decodes_all_layers``) acts once per step, after the
   last layer's read, on every layer at once (a layer's edit only matters to its next read,
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .methods import Needs, Policy
 from .read import prompt_attention, read, replay_attention
@@ -50,6 +54,7 @@ class LayerState:
     seen: int = 0
     tokens_seen: torch.Tensor | None = None
     uncoded: int = 0  # entries appended per head since the layer was last coded (coded storage)
+    prefilling: bool = False  # more chunks of the prompt follow (a chunked prefill): not compressed yet
 
 
 class Session:
@@ -96,15 +101,20 @@ class Session:
     # ----- the prefill -----------------------------------------------------------------------
     def prefill(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                 scaling: float, *, mask: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
-                hidden_stats: tuple[torch.Tensor, torch.Tensor] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_stats: tuple[torch.Tensor, torch.Tensor] | None = None, hidden: torch.Tensor | None = None,
+                final: bool = True) -> torch.Tensor:
         """Attend the prompt of one layer (queries [B, Hq, n, d], keys/values [B, H, n, d] at positions
         [B, n]), store its entries and record what the method scores with: output [B, Hq, n, d].
 
         ``mask`` is transformers' 4-D mask (padded batches) and ``token_valid`` [B, n] marks real tokens;
-        ``hidden`` [B, n, D] is the layer's attention input (kept when the method needs ``hidden_states``)."""
+        ``hidden`` [B, n, D] is the layer's attention input (kept when the method needs ``hidden_states``).
+        ``final=False``: more of the prompt follows (a chunked prefill, ``prefill_more``); the layer is
+        compressed only after its last chunk."""
         if self.layers[layer_idx] is not None:
             raise RuntimeError(f"layer {layer_idx} was already prefilled; a session holds one prompt (chunked prefill: engine)")
         batch, _, n, _ = query.shape
+        if not final and token_valid is not None:
+            raise ValueError("a prompt prefilled in chunks is one unpadded row: pass token_valid=None (or final=True)")
         if self.table is None:
             self.batch_size = batch
             self.table = SlotTable(self.num_layers * batch, self.num_kv_heads, key.device, page_size=self.observe.key_pages)
@@ -117,14 +127,56 @@ class Session:
         self.table.append(self.pool, key, value, positions, token_valid, rows=self.rows(layer_idx))
         tokens = torch.full((batch,), n, dtype=torch.long) if token_valid is None else token_valid.sum(1).cpu()
         observations = self._observations(query, positions, sums, token_valid, hidden_stats, hidden)
-        self.layers[layer_idx] = LayerState(scaling, seen=n, tokens_seen=tokens, observations=observations)
+        self.layers[layer_idx] = LayerState(scaling, seen=n, tokens_seen=tokens, observations=observations, prefilling=True)
+        if final:
+            self._prompt_complete(layer_idx)
+        return out
+
+    def prefill_more(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                     *, hidden: torch.Tensor | None = None, final: bool = True) -> torch.Tensor:
+        """The next chunk of a prompt whose layer was prefilled with ``final=False`` (queries [B, Hq, c, d], keys/values
+        [B, H, c, d] at positions [B, c] after the held ones): attend the prompt so far and, causally, the chunk; store
+        the chunk; extend what the method scores with (the window's queries, the entries' attention sums, the
+        attention inputs) as one prefill of the whole prompt would have recorded it; compress after the last chunk
+        (``final``). Output [B, Hq, c, d]."""
+        layer = self.layers[layer_idx]
+        if layer is None or not layer.prefilling:
+            raise RuntimeError(f"layer {layer_idx} has no prompt being prefilled in chunks: start it with prefill(..., final=False)")
+        if self.observe.hidden_stats or self.observe.replay:
+            raise ValueError("a method that keeps statistics of the whole prompt's attention inputs (GVote) or replays the "
+                             "prompt (KVzip) is prefilled in one piece, not in chunks")
+        self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
+        result = read(query, positions, self.view(layer_idx), layer.scaling, col_sums=self.observe.attention_sums)
+        layer.observations = self._more_observations(layer.observations, query, positions, result.col_sums, hidden)
+        layer.seen += key.shape[2]
+        layer.tokens_seen = layer.tokens_seen + key.shape[2]
+        if final:
+            self._prompt_complete(layer_idx)
+        return result.out
+
+    def _more_observations(self, obs: dict, query, positions, sums, hidden) -> dict:
+        """A prefill's observations extended by one more chunk of the prompt (``prefill_more``)."""
+        obs = dict(obs)
+        w = self.observe.window
+        if w > 0:
+            obs["window_queries"] = torch.cat([obs["window_queries"], query], dim=2)[:, :, -w:]
+            obs["window_positions"] = torch.cat([obs["window_positions"], positions], dim=1)[:, -w:]
+        if sums is not None:  # the earlier queries gave the chunk's entries nothing
+            obs["attention_sums"] = F.pad(obs["attention_sums"], (0, sums.shape[-1] - obs["attention_sums"].shape[-1])) + sums
+        if self.observe.hidden_states and hidden is not None:
+            obs["hidden_states"] = torch.cat([obs["hidden_states"], hidden], dim=1)
+        return obs
+
+    def _prompt_complete(self, layer_idx: int) -> None:
+        """A layer has seen its whole prompt: compress it now (or, for a method that plans over every layer or
+        waits for a replay, once the last layer has)."""
+        self.layers[layer_idx].prefilling = False
         self.replay_pending = bool(self.observe.replay) and layer_idx == self.num_layers - 1
         if self.compress_on_prefill and not self.observe.replay:
             if not self.method.plans_globally:
                 self._compress([layer_idx])
             elif layer_idx == self.num_layers - 1:
                 self._compress(range(self.num_layers))
-        return out
 
     # ----- the replay (KVzip): the prompt read again after the prefill, entries scored, nothing kept ------
 

@@ -44,9 +44,11 @@ def _assert_idle(llm):
     assert llm.pool.used_bytes == 0 and not llm.has_unfinished()
 
 
-def test_a_method_that_raises_at_the_prefill_fails_its_request_alone():
+@pytest.mark.parametrize("step_tokens", [2048, 16])
+def test_a_method_that_raises_at_the_prefill_fails_its_request_alone(step_tokens):
+    """Prefilled alone, packed beside the others or chunked (16 tokens a step): the others keep their tokens."""
     model = sharp_model()
-    llm = make_llm(model)
+    llm = make_llm(model, max_num_batched_tokens=step_tokens)
     prompts = prompts_of([30, 41, 25])
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = llm.generate(prompts, params, method=[None, Policy(score=SnapKV(window=4), fate=BrokenAtPrefill(), budget=16), None])
@@ -99,8 +101,13 @@ def test_a_sampling_failure_fails_its_request_alone(monkeypatch):
 def test_nan_logits_fail_the_request_instead_of_drawing_garbage(monkeypatch):
     model = sharp_model()
     llm = make_llm(model)
-    real = llm.runner.prefill
-    monkeypatch.setattr(llm.runner, "prefill", lambda request: real(request) * float("nan"))
+    real = llm.runner.step
+
+    def broken(requests, pieces):
+        logits, finals = real(requests, pieces)
+        return logits * float("nan"), [None if row is None else row * float("nan") for row in finals]
+
+    monkeypatch.setattr(llm.runner, "step", broken)
     out = llm.generate(prompts_of([12])[0], SamplingParams(max_tokens=3))[0]
     assert out.finish_reason == "error" and "NaN" in out.error
     _assert_idle(llm)

@@ -62,14 +62,44 @@ def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_step
     assert llm.pool.num_used == 0 and llm.stats()["pool_used_bytes"] == 0
 
 
+def spy_pieces(llm) -> list[tuple[int, int]]:
+    """(first token, tokens) of every prompt piece the engine's steps prefill, as they run."""
+    seen, real = [], llm.runner.step
+
+    def step(requests, pieces):
+        seen.extend((p.start, p.count) for p in pieces)
+        return real(requests, pieces)
+
+    llm.runner.step = step
+    return seen
+
+
+def test_chunked_prefill_mixed_with_decoding_equals_model_generate():
+    """A step of 16 tokens: long prompts come in chunks beside the decoding requests (several prompts in one
+    forward when they fit); the tokens are transformers' own."""
+    model = sharp_model()
+    llm = make_llm(model, max_num_batched_tokens=16)
+    pieces = spy_pieces(llm)
+    prompts = prompts_of([40, 95, 12, 70, 3, 33])
+    outs = run_staggered(llm, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(model, prompt, 12) and out.finish_reason == "length"
+    assert any(start > 0 for start, _ in pieces)  # chunked
+    assert max(count for _, count in pieces) <= 16 and sum(count for _, count in pieces) == sum(map(len, prompts))
+    assert llm.pool.num_used == 0
+
+
+@pytest.mark.parametrize("step_tokens", [2048, 24])
 @pytest.mark.parametrize("name", ["snapkv", "adakv", "streamingllm", "h2o", "momentkv", "keepkv", "cam", "gvote", "retention",
                                   "kvzip", "expected_attention"])
-def test_compressing_methods_equal_the_single_request_cache(name):
+def test_compressing_methods_equal_the_single_request_cache(name, step_tokens):
+    """Whole prompts packed in a step, or chunked (24 tokens a step): the single-request cache's tokens (GVote and
+    KVzip, which need their prompt in one forward, are prefilled alone)."""
     model = sharp_model(seed=2)
     options = {"budget": 20, **({"window": 8} if name not in ("streamingllm", "h2o", "retention", "kvzip", "expected_attention") else {}),
                **({"slack": 4} if name == "retention" else {})}
     method = kvc.get_method(name) if name == "gvote" else tiny_method(name, model, **options)
-    llm = make_llm(model)
+    llm = make_llm(model, max_num_batched_tokens=step_tokens)
     prompts = prompts_of([64, 90, 41], seed=3)
     outs = run_staggered(llm, prompts, SamplingParams(max_tokens=10, ignore_eos=True), method, every=3)
     for prompt, out in zip(prompts, outs):
@@ -216,12 +246,13 @@ def test_stop_strings_and_end_of_sequence_finish_a_request():
 
 @settings(max_examples=15, deadline=None)
 @given(lengths=st.lists(st.integers(3, 90), min_size=1, max_size=6), max_tokens=st.lists(st.integers(1, 12), min_size=6, max_size=6),
-       memory=st.sampled_from([128 * 4 * 120, 128 * 4 * 260, 128 * 4 * 2000]), abort=st.integers(-1, 5), seed=st.integers(0, 100))
-def test_pool_accounting_never_leaks(lengths, max_tokens, memory, abort, seed):
-    """Random arrivals, lengths, lengths of answers, methods, aborts and pool sizes (preemptions included):
-    the slots in use are always exactly those the running requests hold, and all come back."""
+       memory=st.sampled_from([128 * 4 * 120, 128 * 4 * 260, 128 * 4 * 2000]), abort=st.integers(-1, 5), seed=st.integers(0, 100),
+       step_tokens=st.sampled_from([4, 20, 2048]))
+def test_pool_accounting_never_leaks(lengths, max_tokens, memory, abort, seed, step_tokens):
+    """Random arrivals, lengths, lengths of answers, methods, aborts, pool sizes (preemptions included) and step
+    sizes (chunked prefills): the slots in use are always exactly those the running requests hold, and all come back."""
     model = MODEL
-    llm = make_llm(model, kv_memory=memory, max_num_seqs=4)
+    llm = make_llm(model, kv_memory=memory, max_num_seqs=4, max_num_batched_tokens=step_tokens)
     methods = [kvc.get_method("snapkv", budget=8, window=4), None, kvc.get_method("h2o", budget=10),
                kvc.get_method("keepkv", budget=9, window=4), kvc.get_method("kivi", bits=2, group_size=16, residual=8),
                tiny_method("deltakv", model, recent=8, chunk=8)]

@@ -6,8 +6,10 @@
 
 The pool is a budget of ``kv_memory`` bytes: plain entries and coded ones (KIVI, DeltaKV) together
 never hold more, and its arrays grow with the load up to it; nothing else grows with the
-number of requests. Each step admits the waiting requests that fit (prefilled one by one, compressed by
-their own method), then decodes every running request in one batched forward; requests
+number of requests. Each step is one forward of at most ``max_num_batched_tokens`` tokens: a token of
+every decoding request, then prompts of the requests admitted (whole, or a chunk of a long one, as
+vLLM's chunked prefill), each compressed by its own method once its last chunk is in; a method that
+needs its prompt in one forward (KVzip's replay, GVote's statistics) is prefilled alone. Requests
 finish on their own (max_tokens, end of sequence, a stop string) and give their slots back.
 ``add_request`` / ``step`` / ``abort`` drive the same loop one step at a time (the server).
 
@@ -35,7 +37,7 @@ from ..models import load_model, model_facts
 from ..store.slots import PoolExhausted, SlotPool
 from .packed import pack_linears, packed_bytes, unpack_linears
 from .request import Request, RequestOutput
-from .runner import ModelRunner
+from .runner import ModelRunner, Piece
 from .sampling import SamplingParams, sample, token_logprob
 from .scheduler import Scheduler
 
@@ -47,6 +49,8 @@ class LLM:
         model: checkpoint dir, ``.gguf`` file or hub id; None = the embedded default model.
         kv_memory: bytes (or "200MiB", "1GiB", ...) of the KV slot pool.
         max_num_seqs: requests decoded together at most.
+        max_num_batched_tokens: tokens one step's forward takes at most (decoding tokens first, then prompts;
+            a longer prompt is prefilled in chunks).
         dtype, device, seed, max_model_len: see ``kvcompress.config.Config``.
         model_and_tokenizer: an already loaded (model, tokenizer) pair instead of ``model``.
         pack_weights: on the CPU, run the model's linear layers over oneDNN-packed copies of their weights
@@ -55,10 +59,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, kv_memory: int | str = "1GiB", max_num_seqs: int = 64, *,
-                 dtype: str = "auto", device: str = "cpu", seed: int = 0, max_model_len: int | None = None,
-                 model_and_tokenizer: tuple[Any, Any] | None = None, pack_weights: bool = True):
+                 max_num_batched_tokens: int = 2048, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+                 max_model_len: int | None = None, model_and_tokenizer: tuple[Any, Any] | None = None, pack_weights: bool = True):
         self.config = Config(model=model, kv_memory=kv_memory, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             dtype=dtype, device=device, seed=seed)
+                             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, seed=seed)
         if model_and_tokenizer is None:
             dtype_arg = torch.float32 if (dtype == "auto" and torch.device(device).type == "cpu") else dtype
             model_and_tokenizer = load_model(model, dtype=dtype_arg, device=device)
@@ -159,58 +163,95 @@ class LLM:
 
     # ----- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit and prefill what fits, then one decoding step for every running request; the requests
-        that got a token (or finished) this step."""
-        touched = []
-        while (request := self.scheduler.admit_next()) is not None:  # each prefill holds its real slots before the next
-            touched += self._prefill(request)
+        """Admit what fits, then one forward: a token for every decoding request and the pieces of prompts the
+        step has room for; the requests that got a token (or finished) this step."""
+        touched: list[Request] = []
+        pieces = self._plan_prompts(touched)
         self._stats["max_concurrent"] = max(self._stats["max_concurrent"], len(self.scheduler.running))
-        decoding = [r for r in self.scheduler.running if r not in touched]
         self.scheduler.make_room()
-        decoding = [r for r in decoding if r in self.scheduler.running]
+        running = self.scheduler.running
+        pieces = [p for p in pieces if p.request in running]  # make_room may have preempted one
+        decoding = [r for r in running if not r.to_prefill and r not in touched]
         batch = [r for r in decoding if not r.suspect]
-        if batch:
-            touched += self._decode(batch)
+        if batch or pieces:
+            touched += self._forward(batch, pieces)
         for request in decoding:
-            if request.suspect:  # in a batch that failed: decoded alone until it shows it is not at fault
-                touched += self._decode([request])
+            if request.suspect:  # in a step that failed: decoded alone until it shows it is not at fault
+                touched += self._forward([request], [])
         if not self.scheduler.has_unfinished():
             self.pool.trim()  # idle: the pool's arrays give their memory back
         return touched
 
-    def _decode(self, requests: list[Request]) -> list[Request]:
-        """One decoding step for ``requests``; a step that raises is redone request by request."""
+    def _plan_prompts(self, touched: list[Request]) -> list[Piece]:
+        """The step's prompt pieces within its token budget: the next chunk of a prompt being chunked, then the
+        waiting requests that fit, in arrival order (a request whose prompt must be prefilled in one forward is
+        prefilled alone now, into ``touched``)."""
+        running = self.scheduler.running
+        budget = self.config.max_num_batched_tokens - sum(1 for r in running if not r.to_prefill)
+        pieces = []
+        for request in running:
+            if request.to_prefill and request.session is not None:  # a prompt being chunked goes on
+                pieces.append(Piece(request, request.prefilled, min(request.to_prefill, budget)))
+                budget -= pieces[-1].count
+        while budget > 0 and (request := self.scheduler.admit_next(budget, self.runner.packs)) is not None:
+            if request.chunked or (len(request.tokens) <= budget and self.runner.packs(request)):
+                pieces.append(Piece(request, 0, min(len(request.tokens), budget)))
+                budget -= pieces[-1].count
+            else:
+                touched += self._prefill(request)
+        return pieces
+
+    def _forward(self, requests: list[Request], pieces: list[Piece]) -> list[Request]:
+        """One forward for decoding ``requests`` and prompt ``pieces``; a forward that raises is redone request
+        by request. A step with pieces counts as prefill time, one without as decoding time."""
         start = time.perf_counter()
         try:
-            logits = self.runner.decode(requests)
+            logits, finals = self.runner.step(requests, pieces)
         except PoolExhausted:
-            raise  # make_room keeps a step within the pool: running out here is the engine's bug
+            if not pieces:
+                raise  # make_room keeps a decoding step within the pool: running out here is the engine's bug
+            return self._apart(requests, pieces)  # a prompt kept more than estimated
         except Exception as error:
-            if len(requests) == 1:  # alone, so at fault
-                self._fail(requests[0], "decoding", error)
-                return requests
-            return self._decode_apart(requests)
-        self._stats["decode_s"] += time.perf_counter() - start
+            if len(requests) + len(pieces) == 1:  # alone, so at fault
+                request = requests[0] if requests else pieces[0].request
+                self._fail(request, "decoding" if requests else "prefill", error)
+                return [request]
+            return self._apart(requests, pieces)
+        elapsed = time.perf_counter() - start
         self._stats["decode_tokens"] += len(requests)
+        if pieces:
+            self._stats["prefill_s"] += elapsed
+            self._stats["prefill_tokens"] += sum(p.count for p in pieces)
+        else:
+            self._stats["decode_s"] += elapsed
+            self._stats["decode_only_tokens"] += len(requests)
         for request, row in zip(requests, logits):
             request.suspect = False
             self._accept(request, row)
-        return requests
+        done = list(requests)
+        for piece, row in zip(pieces, finals):
+            piece.request.to_prefill -= piece.count
+            if row is not None:
+                self._prompt_done(piece.request, row)
+                done.append(piece.request)
+        return done
 
-    def _decode_apart(self, requests: list[Request]) -> list[Request]:
-        """After a batched step failed: each request's session, left half-written, is dropped and recomputed
-        alone from its tokens (a prefill gives the next-token logits the step would have); each then decodes
-        alone (``suspect``) until a step of its own succeeds, so the one at fault fails alone."""
+    def _apart(self, requests: list[Request], pieces: list[Piece]) -> list[Request]:
+        """After a step failed: each session it touched, left half-written, is dropped and its request recomputed
+        alone from its tokens (a prefill gives the next-token logits the step would have); each decoding one then
+        decodes alone (``suspect``) until a step of its own succeeds, so the one at fault fails alone."""
         touched = []
-        for request in requests:
-            request.session.release()
-            request.session = None
-            request.suspect = True
+        for request in [*requests, *(p.request for p in pieces)]:
+            if request.session is not None:
+                request.session.release()
+                request.session = None
+            request.suspect, request.chunked = True, False
             if request in self.scheduler.running:
                 touched += self._prefill(request)
         return touched
 
     def _prefill(self, request: Request) -> list[Request]:
+        """Prefill a request's tokens alone, in one forward."""
         start = time.perf_counter()
         try:
             logits = self.runner.prefill(request)
@@ -225,10 +266,15 @@ class LLM:
             return [request]
         self._stats["prefill_s"] += time.perf_counter() - start
         self._stats["prefill_tokens"] += len(request.tokens)
+        request.to_prefill = 0
+        self._prompt_done(request, logits)
+        return [request]
+
+    def _prompt_done(self, request: Request, logits: torch.Tensor) -> None:
+        """A request's prompt is in (compressed): its sizes recorded, its first token sampled."""
         stats = request.session.stats()
         request.stats.update(kv_bytes=stats["kv_bytes"], kv_bytes_full=stats["kv_bytes_full"], kr=stats["kr"], cr=stats["cr"])
         self._accept(request, logits)
-        return [request]
 
     def _fail(self, request: Request, stage: str, error: BaseException) -> None:
         """Finish one request with an error (its slots freed); the engine goes on."""
@@ -334,19 +380,21 @@ class LLM:
 
     # ----- statistics ---------------------------------------------------------------------------
     def _reset_stats(self) -> None:
-        self._stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0, "max_concurrent": 0,
+        self._stats = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0, "decode_only_tokens": 0,
+                       "max_concurrent": 0,
                        "preemptions_at_start": self.scheduler.preemptions}
         self.pool.peak_bytes, self.pool.peak_allocated = self.pool.used_bytes, self.pool.allocated_bytes
 
     def stats(self) -> dict[str, Any]:
-        """Since the last ``generate``: max_concurrent, decode_tokens_per_s, prefill_tokens_per_s, preemptions,
+        """Since the last ``generate``: max_concurrent, decode_tokens_per_s (over the steps that only decode),
+        prefill_tokens_per_s (over the steps that prefill, decoding tokens riding along), preemptions,
         pool_capacity_bytes, pool_used_bytes (0 when nothing runs), pool_peak_bytes (held at most) and
         pool_allocated_bytes (the most the pool's arrays took, tiers included: plain and coded arrays each
         grow to their own peak, so with coded requests this may pass kv_memory while the bytes held stay within it)."""
         s = self._stats
         return {
             "max_concurrent": s["max_concurrent"],
-            "decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
+            "decode_tokens_per_s": s["decode_only_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
             "prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "decode_tokens": s["decode_tokens"],
             "prefill_tokens": s["prefill_tokens"],

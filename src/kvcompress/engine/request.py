@@ -60,12 +60,19 @@ class Request:
     finished_at: float | None = None
     preemptions: int = 0
     suspect: bool = False  # in a batched step that raised: decoded alone until a step of its own succeeds
+    to_prefill: int = 0  # tokens of ``tokens`` still to prefill (set when admitted; 0 once it decodes)
+    chunked: bool = False  # admitted to be prefilled in chunks over several steps (all its prompt plain until the last)
     stats: dict[str, Any] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def prefilled(self) -> int:
+        """Tokens its session holds of a prompt still being prefilled."""
+        return len(self.tokens) - self.to_prefill
 
     @property
     def tokens(self) -> list[int]:

@@ -1,15 +1,20 @@
-"""The model runner: prefill one request into its session; decode every running request in one forward.
+"""The model runner: one forward per engine step, decoding rows and prompt pieces packed together.
 
-A prefill runs the transformers model over one prompt with a ``CompressedCache`` on the
-engine's pool: the session compresses each layer as it goes (the method's plan). A decoding
-step runs the model once over the last token of every running request; in each layer the
-``kvcompress`` attention function hands the batch to ``_BatchCache.attend``, which appends
-each request's new entries to its own slot tables, reads all of them in one batched read
-over one joint view (their heads padded to the longest), and lets each request's method act
-on its own rows. Requests keep their own positions, methods and budgets.
+A step's forward is one row of tokens: the last token of every decoding request, then pieces of
+prompts (a whole prompt, or a chunk of a long one: chunked prefill), each at its own positions.
+In each layer the ``kvcompress`` attention function hands the row to ``_StepCache.attend``, which
+splits it: the decoding tokens append their entries to their requests' slot tables and are read
+in one batched read over one joint view (heads padded to the longest), each request's method acting
+on its own rows; each prompt piece is prefilled into its request's session (a first piece starts
+the prompt, a later one attends the prompt so far), and the session compresses the layer when its
+prompt's last piece is in. Requests keep their own positions, methods and budgets. A method that
+needs its whole prompt in one forward (a replay of it, KVzip; statistics of its attention inputs,
+GVote) is prefilled alone (``prefill``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,16 +27,47 @@ from ..store.slots import SlotPool, SlotTable
 from .request import Request
 
 
-class _BatchCache(HandOverCache):
-    """One decoding step over many sessions (one per request, each with its own method)."""
+@dataclass
+class Piece:
+    """Tokens ``start`` … ``start + count`` of a request's prompt, prefilled in a step (``final``: its last piece)."""
 
-    def __init__(self, runner: ModelRunner, sessions: list[Session]):
-        self.runner, self.sessions, self.attention_modules = runner, sessions, runner.modules
-        # each request's positions come with the step; the kvcompress attention ignores transformers' mask
+    request: Request
+    start: int
+    count: int
+
+    @property
+    def final(self) -> bool:
+        return self.start + self.count == len(self.request.tokens)
+
+
+class _StepCache(HandOverCache):
+    """One engine step over many sessions: decoding rows first, then prompt pieces, in one row of tokens."""
+
+    def __init__(self, runner: ModelRunner, sessions: list[Session], pieces: list[Piece]):
+        self.runner, self.sessions, self.pieces, self.attention_modules = runner, sessions, pieces, runner.modules
+        # each token's position comes with the step; the kvcompress attention ignores transformers' mask
         super().__init__(layers=[PositionsLayer(lambda: 0) for _ in range(runner.num_layers)])
 
     def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
-        return self.runner.decode_layer(self.sessions, layer_idx, query, key, value, position_ids, scaling, hidden)
+        """Queries [1, Hq, T, d] and new keys/values [1, H, T, d] at positions [1, T] → output [1, Hq, T, d]."""
+        rows, outs = len(self.sessions), []
+        if rows:
+            decoding = [x[0, :, :rows].transpose(0, 1)[:, :, None] for x in (query, key, value)]  # [R, H, 1, d] each
+            step_hidden = None if hidden is None else hidden[0, :rows, None]
+            out = self.runner.decode_layer(self.sessions, layer_idx, *decoding, position_ids[0, :rows, None], scaling, step_hidden)
+            outs.append(out[:, :, 0].transpose(0, 1)[None])
+        offset = rows
+        for piece in self.pieces:
+            part = slice(offset, offset + piece.count)
+            offset += piece.count
+            session = piece.request.session
+            own_hidden = hidden[:, part] if hidden is not None and session.observe.hidden_states else None
+            tokens = (query[:, :, part], key[:, :, part], value[:, :, part], position_ids[:, part])
+            if piece.start == 0:
+                outs.append(session.prefill(layer_idx, *tokens, scaling, hidden=own_hidden, final=piece.final))
+            else:
+                outs.append(session.prefill_more(layer_idx, *tokens, hidden=own_hidden, final=piece.final))
+        return torch.cat(outs, dim=2)
 
 
 class ModelRunner:
@@ -57,15 +93,35 @@ class ModelRunner:
         request.session = cache.session
         return logits[0, -1]
 
+    @staticmethod
+    def packs(request: Request) -> bool:
+        """Whether the request's prompt may be prefilled in pieces packed into a step (else alone, ``prefill``)."""
+        needs = request.method.needs()
+        return not (needs.replay or needs.hidden_stats)
+
     @torch.inference_mode()
-    def decode(self, requests: list[Request]) -> torch.Tensor:
-        """One token for every request (its last one in, at its own position): next-token logits [R, V]."""
-        ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)
-        positions = torch.tensor([[len(r.tokens) - 1] for r in requests], device=self.device)
-        cache = _BatchCache(self, [r.session for r in requests])
+    def step(self, requests: list[Request], pieces: list[Piece]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One forward: a token for every decoding request (its last one in, at its own position) and the prompt
+        pieces (a piece starting at 0 gets a new session on the pool). Returns the decoding requests' next-token
+        logits [R, V] and, per piece, the next-token logits [V] after a final piece (None for the others)."""
+        ids = [r.output_ids[-1] for r in requests]
+        positions = [len(r.tokens) - 1 for r in requests]
+        keep = list(range(len(requests)))
+        for piece in pieces:
+            request = piece.request
+            if piece.start == 0:
+                request.session = CompressedCache(self.model, request.method, pool=self.pool, tokenizer=self.tokenizer).session
+            ids += request.tokens[piece.start : piece.start + piece.count]
+            positions += range(piece.start, piece.start + piece.count)
+            if piece.final:
+                keep.append(len(ids) - 1)
+        cache = _StepCache(self, [r.session for r in requests], pieces)
         if self.model.config._attn_implementation != ATTENTION_NAME:
             raise RuntimeError("the model left the kvcompress attention implementation")
-        return self.model(ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = self.model(torch.tensor([ids], device=self.device), position_ids=torch.tensor([positions], device=self.device),
+                            past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device)).logits[0]
+        finals = iter(logits[len(requests):])
+        return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
 
     def decode_layer(self, sessions: list[Session], layer_idx: int, query, key, value, positions, scaling,
                      hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,4 +163,4 @@ class ModelRunner:
         return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in rows])
 
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "Piece"]

@@ -1,4 +1,4 @@
-"""Which requests run: admission by compressed size, continuous batching, preemption.
+"""Which requests run: admission by compressed size, continuous batching, chunked prefill, preemption.
 
 Memory is counted in pool slots (one slot = one plain entry of one KV head at one layer; coded
 entries (KIVI, DeltaKV) count their bytes, in slots). A request is admitted when the pool
@@ -10,12 +10,18 @@ When a decoding step would not fit (a method kept more than expected), the newes
 request is preempted: its slots are freed and it waits again, to be recomputed from its
 prompt and the tokens it already has. A prompt that cannot fit even in an empty pool
 finishes with an error (that request alone).
+
+A step holds ``max_num_batched_tokens`` tokens: one per decoding request, the rest for prompts. A
+prompt that does not fit in what is left is prefilled in chunks over several steps (one such
+prompt at a time, as vLLM's default): it then holds its whole prompt plain in every layer until its
+last chunk is in and it is compressed, and its admission reserves that.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 from ..store.slots import SlotPool
 from .request import Request, Status
@@ -26,6 +32,7 @@ class Scheduler:
 
     def __init__(self, pool: SlotPool, num_layers: int, num_kv_heads: int, max_num_seqs: int):
         self.pool = pool
+        self.num_layers = num_layers
         self.per_token = num_layers * num_kv_heads  # slots one token takes in every layer and head
         self.num_kv_heads = num_kv_heads
         self.max_num_seqs = max_num_seqs
@@ -60,15 +67,26 @@ class Scheduler:
         codec, recent = storage
         return max(codec.chunk, codec.block_size), codec.entry_bytes(self.pool.head_dim, self.pool.dtype), recent
 
-    def peak(self, request: Request) -> int:
+    def peak(self, request: Request, chunked: bool | None = None) -> int:
         """Slots the request needs while its prompt is prefilled and compressed: one layer's prompt at a time
         beside what the layers before it kept (coded), or every layer's prompt for a method that plans over all
-        layers before cutting any (a global budget) or keeps all of it plain (``full``)."""
+        layers before cutting any (a global budget) or keeps all of it plain (``full``), or prefilled in chunks
+        (``chunked``; default: as the request was admitted), then cut layer by layer."""
         n, kept = len(request.tokens), self.kept(request)
-        if request.method.plans_globally or (kept >= n and self._coded(request) is None):
+        coded = self._coded(request)
+        if request.method.plans_globally or (kept >= n and coded is None):
             return n * self.per_token
         rewritten = kept if kept < n else 0  # an eviction may rewrite what it keeps (a merge's carriers)
+        if request.chunked if chunked is None else chunked:  # one layer's codes are written before its plain entries go
+            codes = 0 if coded is None else self.held(request, kept) // self.num_layers + self.num_kv_heads
+            return n * self.per_token + rewritten * self.num_kv_heads + codes
         return self.held(request, kept) + (n + rewritten) * self.num_kv_heads  # one layer's prompt at a time, plain
+
+    def unheld(self, request: Request) -> int:
+        """Slots a running request's prefill may still take beyond what it holds (0 once it decodes)."""
+        if not request.to_prefill:
+            return 0
+        return max(0, self.peak(request) - request.prefilled * self.per_token)
 
     def growth(self, request: Request) -> int:
         """Slots the request may still take while decoding: a token per layer and head per step (coded in
@@ -96,25 +114,37 @@ class Scheduler:
             return
         self.waiting.append(request)
 
-    def admit_next(self) -> Request | None:
+    def admit_next(self, budget: int, packs: Callable[[Request], bool] = lambda request: True) -> Request | None:
         """The first waiting request, moved to running, if it fits beside the running ones (prefilled
-        requests hold their real slots; their decoding room is reserved); None otherwise. Arrival order:
-        none overtakes a waiting one."""
+        requests hold their real slots; their decoding room and what running prefills may still take are
+        reserved); None otherwise. Arrival order: none overtakes a waiting one. ``budget``: the step's tokens
+        left for prompts; a prompt longer than that is admitted to be prefilled in chunks when its method
+        ``packs`` (the runner's ``packs``), no other prompt is being chunked and its whole plain prompt fits."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return None
         request = self.waiting[0]
-        reserved = sum(self.growth(r) for r in self.running) + self.step_room(self.running)
-        if self.pool.num_free - reserved < self.peak(request) + self.step_room([request]):
+        chunked = packs(request) and len(request.tokens) > budget and self._can_chunk(request)
+        if chunked and any(r.chunked and r.to_prefill for r in self.running):
+            return None  # one prompt in chunks at a time
+        reserved = sum(self.growth(r) + self.unheld(r) for r in self.running) + self.step_room(self.running)
+        if self.pool.num_free - reserved < self.peak(request, chunked) + self.step_room([request]):
             return None
         self.waiting.popleft()
         request.status = Status.RUNNING
+        request.chunked, request.to_prefill = chunked, len(request.tokens)
         self.running.append(request)
         return request
 
+    def _can_chunk(self, request: Request) -> bool:
+        """Whether the pool could hold the request's whole prompt plain (a chunked prefill) and its answer; if
+        not, it is prefilled alone, in one forward, compressed layer by layer."""
+        return self.peak(request, chunked=True) + self.growth(request) <= self.pool.capacity
+
     def make_room(self) -> list[Request]:
-        """Preempt the newest running requests until a decoding step of the rest fits; returns them."""
+        """Preempt the newest running requests until a step of the rest fits (their decoding and what their
+        prefills may still take); returns them."""
         preempted = []
-        while len(self.running) > 1 and self.pool.num_free < self.step_room(self.running):
+        while len(self.running) > 1 and self.pool.num_free < self.step_room(self.running) + sum(map(self.unheld, self.running)):
             preempted.append(self.preempt(self.running[-1]))
         return preempted
 
@@ -125,6 +155,7 @@ class Scheduler:
             request.session.release()
             request.session = None
         request.status = Status.WAITING
+        request.chunked, request.to_prefill = False, 0
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)

@@ -57,6 +57,7 @@ class ReplicaSpec:
     method: str = "full"
     kv_memory: int | str = "1GiB"
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
     device: str = "cpu"
     dtype: str = "auto"
     seed: int = 0
@@ -81,8 +82,9 @@ class EngineReplica:
 
     async def __init__(self, spec: ReplicaSpec):
         torch.set_num_threads(spec.threads)
-        self.llm = LLM(spec.model, kv_memory=spec.kv_memory, max_num_seqs=spec.max_num_seqs, device=spec.device, dtype=spec.dtype,
-                       seed=spec.seed, max_model_len=spec.max_model_len)
+        self.llm = LLM(spec.model, kv_memory=spec.kv_memory, max_num_seqs=spec.max_num_seqs,
+                       max_num_batched_tokens=spec.max_num_batched_tokens, device=spec.device, dtype=spec.dtype, seed=spec.seed,
+                       max_model_len=spec.max_model_len)
         limits = Limits(max_prompt_tokens=spec.max_prompt_tokens or self.llm.max_model_len - 1,
                         max_tokens=spec.max_tokens or self.llm.max_model_len - 1)
         method = MethodSpec.parse(spec.method).build(**spec.options)
