@@ -212,6 +212,9 @@ def test_bad_input_raises_before_anything_is_queued():
         llm.generate([[5] * 10], method=[kvc.get_method("full"), kvc.get_method("full")])
     with pytest.raises(ValueError, match="cannot read memory size"):
         make_llm(model, kv_memory="lots")
+    for tokens in (4, 0, 16.0):  # a step must hold a token of every decoding request
+        with pytest.raises(ValueError, match="max_num_batched_tokens must be a whole number ≥ max_num_seqs"):
+            make_llm(model, max_num_seqs=8, max_num_batched_tokens=tokens)
 
 
 def test_sampling_is_reproducible_per_request_alone_or_batched():

@@ -198,12 +198,13 @@ class CompressedCache(HandOverCache):
         if position_ids is None:
             position_ids = torch.arange(seen, seen + q, device=query.device).expand(batch, q)
         position_ids = position_ids.expand(batch, q)
-        hidden = hidden if self.session.observe.hidden_states else None
+        observe = self.session.observe
         if layer is None:
-            stats = module.__dict__.pop("_kvcompress_hidden_stats", None)
-            return self.session.prefill(layer_idx, query, key, value, position_ids, scaling, mask=mask,
-                                        token_valid=token_valid_from_mask(mask, batch, q), hidden_stats=stats, hidden=hidden)
-        out = self.session.decode(layer_idx, query, key, value, position_ids, hidden=hidden)
+            token_valid = token_valid_from_mask(mask, batch, q)
+            stats = hidden_statistics(hidden, token_valid) if observe.hidden_stats and hidden is not None else None
+            return self.session.prefill(layer_idx, query, key, value, position_ids, scaling, mask=mask, token_valid=token_valid,
+                                        hidden_stats=stats, hidden=hidden if observe.hidden_states else None)
+        out = self.session.decode(layer_idx, query, key, value, position_ids, hidden=hidden if observe.hidden_states else None)
         if self.recorder is not None:  # diagnose: what this layer saw and answered
             self.recorder[layer_idx] = (query, key, value, position_ids, out)
         return out
@@ -265,29 +266,27 @@ def _after_decoder(module, args, kwargs, output):
 
 
 def watch_attention_inputs(modules) -> None:
-    """Hook each attention module once to record its input: the per-channel mean and std at prefill,
-    and the input itself at every forward (``_kvcompress_hidden``, [B, q, D], for retention gates).
-
-    GVote samples future queries from N(mean, std²) of the layer's attention-input hidden
-    states (after the input norm); padding tokens are left out of the statistics.
-    """
+    """Hook each attention module once to record its input at every forward (``_kvcompress_hidden``, [B, q, D]),
+    which the kvcompress attention function hands to the cache: retention gates read it, and GVote the per-channel
+    mean and std of the prompt's (``hidden_statistics``)."""
     for module in modules:
         if getattr(module, "_kvcompress_input_hook", None) is None:
-            module._kvcompress_input_hook = module.register_forward_pre_hook(_record_input_stats, with_kwargs=True)
+            module._kvcompress_input_hook = module.register_forward_pre_hook(_record_input, with_kwargs=True)
 
 
-def _record_input_stats(module, args, kwargs):
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    module._kvcompress_hidden = hidden
-    if hidden is None or hidden.shape[1] < 2:  # decoding steps: no statistics
-        return None
-    valid = token_valid_from_mask(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
-    weight = torch.ones(hidden.shape[:2], device=hidden.device) if valid is None else valid.float()
+def _record_input(module, args, kwargs):
+    module._kvcompress_hidden = kwargs.get("hidden_states", args[0] if args else None)
+    return None
+
+
+def hidden_statistics(hidden: torch.Tensor, token_valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std [B, D] of a prompt's attention inputs [B, n, D] (after the input norm), padding
+    (``token_valid`` [B, n] False) left out: GVote samples future queries from N(mean, std²)."""
+    weight = torch.ones(hidden.shape[:2], device=hidden.device) if token_valid is None else token_valid.float()
     count = weight.sum(1, keepdim=True).clamp(min=1)[..., None]  # [B, 1, 1]
     mean = (hidden.float() * weight[..., None]).sum(1, keepdim=True) / count
     var = (((hidden.float() - mean) ** 2) * weight[..., None]).sum(1, keepdim=True) / count
-    module._kvcompress_hidden_stats = (mean[:, 0], var[:, 0].sqrt())  # [B, hidden] each
-    return None
+    return mean[:, 0], var[:, 0].sqrt()
 
 
 __all__ = ["ATTENTION_NAME", "CompressedCache", "kvcompress_attention", "register_attention", "use_kvcompress_attention",

@@ -65,7 +65,6 @@ class _ReplayCache(HandOverCache):
         super().__init__(layers=[PositionsLayer(lambda seen=layer.seen: seen) for layer in session.layers])
 
     def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
-        module.__dict__.pop("_kvcompress_hidden_stats", None)  # the prefill's statistics were taken already
         return self.session.replay_layer(layer_idx, query, key, value, position_ids.expand(query.shape[0], -1))
 
 
