@@ -51,12 +51,32 @@ def tiny_codec(model, full_layers: tuple[int, ...] = ()) -> str:
     return _CODECS[dims]
 
 
+_HEAD_SCORES: dict[tuple, str] = {}
+
+
+def tiny_head_scores(model) -> str:
+    """A file of random head scores fitting ``model``'s layers and KV heads (for ``kvzip_head``), made once per shape."""
+    import tempfile
+
+    from kvcompress.methods.kvzip import write_head_scores
+
+    config = model.config
+    dims = (config.num_hidden_layers, config.num_key_value_heads)
+    if dims not in _HEAD_SCORES:
+        scores = torch.rand(dims, generator=torch.Generator().manual_seed(5))
+        _HEAD_SCORES[dims] = str(write_head_scores(tempfile.mkdtemp(prefix="kvcompress-heads-"), scores, model="tiny"))
+    return _HEAD_SCORES[dims]
+
+
 def tiny_method(name: str, model, **options):
-    """``get_method``, with learned parts that fit ``model`` for a method that learns them (retention, deltakv)."""
+    """``get_method``, with learned parts that fit ``model`` for a method that learns them (retention, deltakv) or
+    calibrates them (kvzip_head's head scores)."""
     if name == "retention" and "checkpoint" not in options:
         options["checkpoint"] = tiny_gates(model)
     if name == "deltakv" and "checkpoint" not in options:
         options["checkpoint"] = tiny_codec(model)
+    if name == "kvzip_head" and "scores" not in options:
+        options["scores"] = tiny_head_scores(model)
     return get_method(name, **options)
 
 

@@ -36,7 +36,7 @@ def _options(name: str, size: dict) -> dict:
     small = {"snapkv": {"window": 8}, "pyramidkv": {"window": 8}, "adakv": {"window": 8}, "momentkv": {"window": 8},
              "keepkv": {"window": 8}, "cam": {"window": 8}, "d2o": {"window": 8}, "retention": {"slack": 4},
              "kivi": {"group_size": 16, "residual": 8}, "omnikv": {"recent": 8, "sinks": 2},
-             "quest": {"page_size": 8, "recent": 8, "sinks": 2, "dense_layers": 0}}
+             "quest": {"page_size": 8, "recent": 8, "sinks": 2, "dense_layers": 0}, "kvzip_head": {"window": 2}}
     return {**small.get(name, {}), **size}
 
 

@@ -20,7 +20,7 @@ from .gvote import GVote, Votes
 from .h2o import H2O
 from .keepkv import KeepKV
 from .kivi import KIVI
-from .kvzip import KVzip
+from .kvzip import KVzip, KVzipHead
 from .momentkv import MomentKV
 from .omnikv import OmniKV
 from .parts import Decoding, Fate, Needs, Part, Reads, Scorer, Sizer, Storage
@@ -34,7 +34,7 @@ from .streamingllm import Recency
 
 PARTS.update({cls.name: cls for cls in (
     Recency, H2O, SnapKV, EMAImportance, Votes, KVzip, ExpectedAttention, Retention,  # scorers
-    Uniform, Pyramid, Adaptive, Global, Threshold, GVote,  # sizers
+    Uniform, Pyramid, Adaptive, Global, Threshold, KVzipHead, GVote,  # sizers
     Drop, KeepKV, CaM, D2O, MomentKV,  # fates
     Static, Evict,  # decoding rules
     Quest, OmniKV,  # read rules
@@ -42,6 +42,6 @@ PARTS.update({cls.name: cls for cls in (
 )})
 
 __all__ = ["PARTS", "REGISTRY", "Adaptive", "CaM", "D2O", "Decoding", "DeltaKV", "Drop", "EMAImportance", "Evict", "ExpectedAttention",
-           "Fate", "GVote", "Global", "H2O", "KIVI", "KVzip", "KeepKV", "MethodSpec", "MomentKV", "Needs", "OmniKV", "Part", "Policy",
+           "Fate", "GVote", "Global", "H2O", "KIVI", "KVzip", "KVzipHead", "KeepKV", "MethodSpec", "MomentKV", "Needs", "OmniKV", "Part", "Policy",
            "Pyramid", "Quest", "Reads", "Recency", "Retention", "Scorer", "Sizer", "SnapKV", "Static", "Storage", "Threshold",
            "Uniform", "Votes", "available_methods", "available_parts", "get_method", "split_method_list"]

@@ -19,7 +19,7 @@ from .gvote import GVote, Votes
 from .h2o import H2O
 from .keepkv import KeepKV
 from .kivi import KIVI
-from .kvzip import KVzip
+from .kvzip import KVzip, KVzipHead
 from .momentkv import MomentKV
 from .omnikv import OmniKV
 from .parts import Part
@@ -96,5 +96,8 @@ _preset("expected_attention", "Devoto et al. 2025, Expected Attention: KV Cache 
         "Future Queries Distribution (kvpress's ExpectedAttentionPress)", lambda: {"score": ExpectedAttention()})
 _preset("kvzip", "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
         lambda: {"score": KVzip(), "sizes": Global()})
+_preset("kvzip_head", "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction "
+        "(head-level, context-independent: head scores calibrated once per model)",
+        lambda: {"score": Recency(), "sizes": KVzipHead()})
 
 __all__ = ["Preset"]
