@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from common import layers_of, tiny_head_scores, tiny_model
@@ -40,6 +42,20 @@ def test_the_best_heads_keep_everything_and_the_others_their_sinks_and_window(tm
         expected = torch.where(best.view(3, 2), tokens, allowance)
         assert held.tolist() == expected.tolist(), whole
         assert int(held.sum()) <= budget * 6  # within the size
+
+
+@settings(max_examples=20, deadline=None)
+@given(budget=st.integers(1, 90), window=st.integers(0, 40), seed=st.integers(0, 1000))
+def test_entries_held_stay_within_the_size_and_sinks_are_kept(tmp_path_factory, budget, window, seed):
+    """For any size (below the sinks and window too) the heads hold at most size × heads (the scheduler's count),
+    and every head keeps its sinks."""
+    model = tiny_model(seed=6, layers=3)
+    scores = torch.rand(3, 2, generator=torch.Generator().manual_seed(seed))
+    path = write_head_scores(tmp_path_factory.mktemp("heads") / "heads.json", scores)
+    method = get_method("kvzip_head", budget=budget, window=window, scores=str(path))
+    held = _held(model, method, _prompt(seed))
+    assert int(held.sum()) <= max(budget, SINKS) * 6
+    assert bool((held >= min(SINKS, 80)).all())
 
 
 def test_a_head_not_chosen_keeps_its_sinks_and_the_most_recent_entries(tmp_path):

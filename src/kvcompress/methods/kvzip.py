@@ -176,11 +176,12 @@ class KVzipHead(Sizer):
         lengths = view.lengths.to(device)
         protected = (key >= PROTECTED_PRIORITY).sum(dim=-1)
         tokens = context.tokens_seen.to(device)
-        allowance = torch.minimum(tokens, protected.amax(dim=1) + self.window)
-        if bool((budgets.to(device) < allowance).any()):
-            context.note(f"kvzip_head: every head keeps its sinks and window ({self.window}), more than the size")
-        full = rank[None, :] < self.full_heads(budgets.to(device), tokens, allowance)[:, None]
-        return torch.where(full, lengths, torch.minimum(lengths, protected + self.window))
+        budgets = budgets.to(device)
+        # a head not chosen keeps its sinks and window, cut to the size when the size is smaller (never its sinks)
+        kept = torch.maximum(protected, torch.minimum(protected + self.window, budgets[:, None]))
+        allowance = torch.minimum(tokens, kept.amax(dim=1))
+        full = rank[None, :] < self.full_heads(budgets, tokens, allowance)[:, None]
+        return torch.where(full, lengths, torch.minimum(lengths, kept))
 
 
 __all__ = ["CALIBRATED", "KVzip", "KVzipHead", "read_head_scores", "write_head_scores"]
