@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from kvcompress.read import attend_reference, group_queries, merge_lse, read
+from kvcompress.read import attend_reference, chunk_attention, group_queries, merge_lse, read
 from kvcompress.store.slots import SlotTable, SlotPool
 from kvcompress.store.view import KVView
 
@@ -227,3 +227,23 @@ def test_selection_reads_exactly_the_selected_entries(seed, heads, group, log_we
     everything = torch.arange(length).expand(2, heads, length)
     if bool((view.lengths == length).all()):
         assert torch.allclose(read(q, qpos, view, 0.3, select=everything).out, read(q, qpos, view, 0.3, reference=True).out, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(held=st.integers(0, 40), chunk=st.integers(1, 30), heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_chunk_attention_equals_the_reference_over_the_prompt_so_far(held, chunk, heads, group, dtype, seed):
+    """A prompt chunk after its held entries (the chunked prefill): two flash calls merged by their log-sum-exp
+    equal the float32 reference over the held entries and, causally, the chunk."""
+    g = torch.Generator().manual_seed(seed)
+    dim, total = 8, held + chunk
+    keys, values = torch.randn(1, heads, total, dim, generator=g), torch.randn(1, heads, total, dim, generator=g)
+    query = torch.randn(1, heads * group, chunk, dim, generator=g) * 2
+    positions = torch.arange(total).expand(1, heads, total)
+    expected, _, _ = attend_reference(group_queries(query, heads), keys, values, dim**-0.5,
+                                      query_positions=torch.arange(held, total)[None], key_positions=positions)
+    expected = expected.reshape(1, heads * group, chunk, dim)
+    cast = [x.to(dtype) for x in (query, keys[:, :, :held], values[:, :, :held], keys[:, :, held:], values[:, :, held:])]
+    out = chunk_attention(*cast, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)

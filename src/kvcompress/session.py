@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .methods import Needs, Policy
-from .read import prompt_attention, read, replay_attention
+from .read import chunk_attention, prompt_attention, read, replay_attention
 from .store.slots import SlotPool, SlotTable
 from .store.view import UNCHANGED, Edit, KVView, LayerContext, LayerInput
 
@@ -145,14 +145,21 @@ class Session:
         if self.observe.hidden_stats or self.observe.replay:
             raise ValueError("a method that keeps statistics of the whole prompt's attention inputs (GVote) or replays the "
                              "prompt (KVzip) is prefilled in one piece, not in chunks")
-        self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
-        result = read(query, positions, self.view(layer_idx), layer.scaling, col_sums=self.observe.attention_sums)
-        layer.observations = self._more_observations(layer.observations, query, positions, result.col_sums, hidden)
+        held = self.view(layer_idx)  # the prompt so far: every head holds it all, plain, before the chunk
+        sums = None
+        if self.observe.attention_sums or not (held.valid is None and held.log_weights is None and held.summary is None):
+            self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
+            result = read(query, positions, self.view(layer_idx), layer.scaling, col_sums=self.observe.attention_sums)
+            out, sums = result.out, result.col_sums
+        else:
+            out = chunk_attention(query, held.keys, held.values, key, value, layer.scaling)
+            self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
+        layer.observations = self._more_observations(layer.observations, query, positions, sums, hidden)
         layer.seen += key.shape[2]
         layer.tokens_seen = layer.tokens_seen + key.shape[2]
         if final:
             self._prompt_complete(layer_idx)
-        return result.out
+        return out
 
     def _more_observations(self, obs: dict, query, positions, sums, hidden) -> dict:
         """A prefill's observations extended by one more chunk of the prompt (``prefill_more``)."""

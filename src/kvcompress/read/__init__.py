@@ -21,7 +21,7 @@ import torch
 
 from ..store.view import KVView
 from .reference import attend_reference, attend_with_max_weights, attention_probs, group_queries, merge_lse, read_reference
-from .sdpa import merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
+from .sdpa import chunk_attention, merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
 from .paged import paged_decode
 
 
@@ -80,6 +80,7 @@ __all__ = [
     "attend_reference",
     "attend_with_max_weights",
     "attention_probs",
+    "chunk_attention",
     "group_queries",
     "merge_lse",
     "prompt_attention",

@@ -13,6 +13,8 @@
   its output from the flash kernel with the log-sum-exp, each held entry's largest weight from one
   more product of the queries with the held keys, less each query's log-sum-exp (no softmax over
   the weights, no product of weights and values).
+* ``chunk_attention``: a chunk of a prompt after its held entries (the engine's chunked prefill): two flash
+  calls without a mask (the held entries, the chunk's causal square) merged by their log-sum-exp.
 * ``prompt_attention``: the prefill's causal attention over the prompt; with column sums
   (H2O's score: each entry's total attention from every prompt query) one chunked pass
   computes the weights once for the output and the sums — never the n × n weights at once.
@@ -174,6 +176,32 @@ def _replay_block_masked(query, keys, values, key_positions, key_valid, new_keys
     return attend
 
 
+def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor,
+                    new_values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A prompt chunk's causal attention after held entries that are all real and all before it (a chunked
+    prefill): queries [B, Hq, c, d] over the held keys/values [B, H, L, d] and, causally, the chunk's own
+    [B, H, c, d] → [B, Hq, c, d] in the query's dtype. Two flash calls without a mask — the held entries with the
+    GQA group folded into the query axis, the chunk over itself as the causal square — merged by their
+    log-sum-exp (the CPU flash kernel; elsewhere ``read_masked`` over one view)."""
+    b, hq, c, d = query.shape
+    heads, length = keys.shape[1], keys.shape[2]
+    groups = hq // heads
+    if query.device.type != "cpu" or _CPU_FLASH is None:
+        positions = torch.arange(length + c, device=query.device).expand(b, heads, length + c)
+        whole = KVView.of(torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2), positions)
+        return read_masked(query, positions[:, 0, length:], whole, scaling)[0]
+    query = query.contiguous()
+    own, own_lse = _CPU_FLASH(query, repeat_kv(new_keys, groups).to(query.dtype).contiguous(),
+                              repeat_kv(new_values, groups).to(query.dtype).contiguous(), 0.0, True, scale=scaling)
+    if length == 0:
+        return own
+    folded = query.view(b, heads, groups * c, d)
+    held, held_lse = _CPU_FLASH(folded, keys.to(query.dtype), values.to(query.dtype), 0.0, False, scale=scaling)
+    out, _ = merge_lse(held.float().reshape(b, heads, groups, c, d), held_lse.float().reshape(b, heads, groups, c),
+                       own.float().reshape(b, heads, groups, c, d), own_lse.float().reshape(b, heads, groups, c))
+    return out.to(query.dtype).reshape(b, hq, c, d)
+
+
 # ----- the prompt ----------------------------------------------------------------------------
 def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, mask: torch.Tensor | None = None,
                      col_sums: bool = False, token_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -253,4 +281,4 @@ def _mask_bias(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return bias.view(bias.shape[0], heads, groups, *bias.shape[2:])
 
 
-__all__ = ["merge_summary", "prompt_attention", "prompt_attention_with_sums", "read_exact", "read_masked", "repeat_kv"]
+__all__ = ["chunk_attention", "merge_summary", "prompt_attention", "prompt_attention_with_sums", "read_exact", "read_masked", "repeat_kv"]
