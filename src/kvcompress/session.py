@@ -145,13 +145,13 @@ class Session:
         if self.observe.hidden_stats or self.observe.replay:
             raise ValueError("a method that keeps statistics of the whole prompt's attention inputs (GVote) or replays the "
                              "prompt (KVzip) is prefilled in one piece, not in chunks")
-        held = self.view(layer_idx)  # the prompt so far: every head holds it all, plain, before the chunk
         sums = None
-        if self.observe.attention_sums or not (held.valid is None and held.log_weights is None and held.summary is None):
+        if self.observe.attention_sums:  # the entries' attention sums come from the masked read's weights
             self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
-            result = read(query, positions, self.view(layer_idx), layer.scaling, col_sums=self.observe.attention_sums)
+            result = read(query, positions, self.view(layer_idx), layer.scaling, col_sums=True)
             out, sums = result.out, result.col_sums
-        else:
+        else:  # a layer is not compressed before its last chunk: every head holds the prompt so far, plain
+            held = self.view(layer_idx)
             out = chunk_attention(query, held.keys, held.values, key, value, layer.scaling)
             self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
         layer.observations = self._more_observations(layer.observations, query, positions, sums, hidden)

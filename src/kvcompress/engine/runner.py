@@ -83,7 +83,7 @@ class ModelRunner:
     def prefill(self, request: Request) -> torch.Tensor:
         """Prefill the request's tokens into a new session on the pool (compressed by its method); the
         next-token logits [V]."""
-        cache = CompressedCache(self.model, request.method, pool=self.pool, tokenizer=self.tokenizer)
+        cache = self._cache_for(request)
         ids = torch.tensor([request.tokens], device=self.device)
         try:
             logits = self.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -92,6 +92,10 @@ class ModelRunner:
             raise
         request.session = cache.session
         return logits[0, -1]
+
+    def _cache_for(self, request: Request) -> CompressedCache:
+        """A new cache on the engine's pool for the request's prompt, compressed by its method."""
+        return CompressedCache(self.model, request.method, pool=self.pool, tokenizer=self.tokenizer)
 
     @staticmethod
     def packs(request: Request) -> bool:
@@ -110,7 +114,7 @@ class ModelRunner:
         for piece in pieces:
             request = piece.request
             if piece.start == 0:
-                request.session = CompressedCache(self.model, request.method, pool=self.pool, tokenizer=self.tokenizer).session
+                request.session = self._cache_for(request).session
             ids += request.tokens[piece.start : piece.start + piece.count]
             positions += range(piece.start, piece.start + piece.count)
             if piece.final:
