@@ -306,29 +306,60 @@ class Session:
         self.reads[1] += int(self.layers[layer_idx].tokens_seen.sum()) * self.num_kv_heads
         return select
 
-    def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                    slots: torch.Tensor | None = None) -> None:
-        """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place;
-        ``slots`` [B, H, q]: the entries are already in the pool there (the engine writes a batch at once)."""
+    def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place."""
+        self._start_step(layer_idx)
+        self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
+        layer = self.layers[layer_idx]
+        layer.seen += key.shape[2]
+        layer.tokens_seen = layer.tokens_seen + key.shape[2]
+        layer.uncoded += key.shape[2]
+        self.code_due(layer_idx)
+
+    def begin_step(self, position: int) -> torch.Tensor:
+        """The engine's decoding step of one token at ``position``, before its forward: a slot per (layer, KV head)
+        taken and recorded in every layer at once, so that a layer's read only needs its keys and values written
+        there (``SlotPool.write``), then ``code_due``. Returns the slots [num_layers, H]. A method that neither
+        selects nor acts while decoding has its reads counted here, for every layer (its entries do not change
+        during the step)."""
+        if self.batch_size != 1:
+            raise ValueError("begin_step: a session of one request (the engine's); decode a batch layer by layer")
+        self._start_step()
+        heads = self.num_kv_heads
+        slots = self.pool.allocate(self.num_layers * heads).view(self.num_layers, heads)
+        positions = torch.full((self.num_layers, 1), position, dtype=torch.int32, device=slots.device)
+        self.table.append_written(self.pool, slots[:, :, None], positions)
+        for layer in self.layers:
+            layer.seen += 1
+            layer.tokens_seen = layer.tokens_seen + 1
+            layer.uncoded += 1
+        if not self.acts_per_layer:
+            self.reads[0] += self.table.num_entries()
+            self.reads[1] += int(torch.cat([layer.tokens_seen for layer in self.layers]).sum()) * heads
+        return slots
+
+    @property
+    def acts_per_layer(self) -> bool:
+        """Whether each decoding layer needs the method: it selects what to read, or acts after the read."""
+        return self.method.selects or self.method.acts_while_decoding
+
+    def _start_step(self, layer_idx: int = 0) -> None:
+        """A decoding step reaching a layer (0: a new step); after an interrupted step, the method first acts on
+        what that step read."""
         if self.replay_pending:
             raise RuntimeError("the prompt waits for its replay (KVzip) before it is compressed: prefill through "
                                "the model's forward with input_ids, which replays it as soon as the forward returns")
         if self._pending and layer_idx <= min(self._pending):
             self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
         if layer_idx == 0:
-            self._step = {}  # a new decoding step
-        if slots is None:
-            self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
-        else:
-            self.table.append_written(self.pool, slots, positions, rows=self.rows(layer_idx))
+            self._step = {}
+
+    def code_due(self, layer_idx: int) -> None:
+        """Code a layer's oldest plain entries (coded storage) once a chunk's worth has come since the last time."""
         layer = self.layers[layer_idx]
-        layer.seen += key.shape[2]
-        layer.tokens_seen = layer.tokens_seen + key.shape[2]
-        if self.code_tier:
-            layer.uncoded += key.shape[2]
-            if layer.uncoded >= self.pool.tiers[self.code_tier - 1].codec.chunk:  # a chunk's worth: code it
-                self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(layer_idx), layer=layer_idx)
-                layer.uncoded = 0
+        if self.code_tier and layer.uncoded >= self.pool.tiers[self.code_tier - 1].codec.chunk:
+            self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(layer_idx), layer=layer_idx)
+            layer.uncoded = 0
 
     def wants_col_sums(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:
         """Whether the method needs this step's per-entry column sums from the read."""

@@ -3,9 +3,11 @@
 A step's forward is one row of tokens: the last token of every decoding request, then pieces of
 prompts (a whole prompt, or a chunk of a long one: chunked prefill), each at its own positions.
 In each layer the ``kvcompress`` attention function hands the row to ``_StepCache.attend``, which
-splits it: the decoding tokens append their entries to their requests' slot tables and are read
-in one batched read over one joint view (heads padded to the longest), each request's method acting
-on its own rows; each prompt piece is prefilled into its request's session (a first piece starts
+splits it: the decoding tokens write their keys and values where their requests' slot tables already
+name them (``Session.begin_step`` took and recorded every layer's slots before the forward, once per
+request) and are read in one batched read over one joint view (heads padded to the longest), each
+request's method acting on its own rows (only methods that select or act while decoding are called per
+layer); each prompt piece is prefilled into its request's session (a first piece starts
 the prompt, a later one attends the prompt so far), and the session compresses the layer when its
 prompt's last piece is in. Requests keep their own positions, methods and budgets. A method that
 needs its whole prompt in one forward (a replay of it, KVzip; statistics of its attention inputs,
@@ -43,8 +45,9 @@ class Piece:
 class _StepCache(HandOverCache):
     """One engine step over many sessions: decoding rows first, then prompt pieces, in one row of tokens."""
 
-    def __init__(self, runner: ModelRunner, sessions: list[Session], pieces: list[Piece]):
-        self.runner, self.sessions, self.pieces, self.attention_modules = runner, sessions, pieces, runner.modules
+    def __init__(self, runner: ModelRunner, sessions: list[Session], slots: torch.Tensor | None, pieces: list[Piece]):
+        self.runner, self.sessions, self.slots, self.pieces = runner, sessions, slots, pieces
+        self.attention_modules = runner.modules
         # each token's position comes with the step; the kvcompress attention ignores transformers' mask
         super().__init__(layers=[PositionsLayer(lambda: 0) for _ in range(runner.num_layers)])
 
@@ -54,7 +57,7 @@ class _StepCache(HandOverCache):
         if rows:
             decoding = [x[0, :, :rows].transpose(0, 1)[:, :, None] for x in (query, key, value)]  # [R, H, 1, d] each
             step_hidden = None if hidden is None else hidden[0, :rows, None]
-            out = self.runner.decode_layer(self.sessions, layer_idx, *decoding, position_ids[0, :rows, None], scaling, step_hidden)
+            out = self.runner.decode_layer(self.sessions, layer_idx, self.slots[layer_idx], *decoding, position_ids[0, :rows, None], scaling, step_hidden)
             outs.append(out[:, :, 0].transpose(0, 1)[None])
         offset = rows
         for piece in self.pieces:
@@ -119,7 +122,9 @@ class ModelRunner:
             positions += range(piece.start, piece.start + piece.count)
             if piece.final:
                 keep.append(len(ids) - 1)
-        cache = _StepCache(self, [r.session for r in requests], pieces)
+        sessions = [r.session for r in requests]
+        slots = torch.stack([s.begin_step(p) for s, p in zip(sessions, positions)], dim=1) if sessions else None  # [L, R, H]
+        cache = _StepCache(self, sessions, slots, pieces)
         if self.model.config._attn_implementation != ATTENTION_NAME:
             raise RuntimeError("the model left the kvcompress attention implementation")
         logits = self.model(torch.tensor([ids], device=self.device), position_ids=torch.tensor([positions], device=self.device),
@@ -127,22 +132,23 @@ class ModelRunner:
         finals = iter(logits[len(requests):])
         return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
 
-    def decode_layer(self, sessions: list[Session], layer_idx: int, query, key, value, positions, scaling,
+    def decode_layer(self, sessions: list[Session], layer_idx: int, slots: torch.Tensor, query, key, value, positions, scaling,
                      hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """One layer of a decoding step: append each request's entries, one batched read, then each method acts
-        (``hidden`` [R, 1, D]: the step's attention inputs, for methods that gate them)."""
-        count, heads, q, dim = key.shape
-        slots = self.pool.allocate(count * heads * q)  # every request's new entries written at once
-        self.pool.write(slots, key.reshape(-1, dim), value.reshape(-1, dim))
-        slots = slots.view(count, heads, q)
-        for r, session in enumerate(sessions):
-            session.append_step(layer_idx, key[r : r + 1], value[r : r + 1], positions[r : r + 1], slots[r : r + 1])
+        """One layer of a decoding step: each request's entries written where ``Session.begin_step`` recorded them
+        (``slots`` [R, H]), one batched read, then each method that acts per layer does (``hidden`` [R, 1, D]: the
+        step's attention inputs, for methods that gate them)."""
+        dim = key.shape[-1]
+        self.pool.write(slots.reshape(-1), key.reshape(-1, dim), value.reshape(-1, dim))
+        for session in sessions:
+            session.code_due(layer_idx)
         parts = [(s.table, s.rows(layer_idx), s.layers[layer_idx].summary) for s in sessions]
         view = SlotTable.joint_view(self.pool, parts)
-        wants = [s.wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]
-        select = self.joint_select(sessions, layer_idx, query, positions, view.shape[2])
-        result = read(query, positions, view, scaling, select=select, col_sums=any(wants))
-        for r, session in enumerate(sessions):
+        acting = [r for r, s in enumerate(sessions) if s.acts_per_layer]
+        wants = {r: sessions[r].wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r in acting}
+        select = self.joint_select(sessions, acting, layer_idx, query, positions, view.shape[2])
+        result = read(query, positions, view, scaling, select=select, col_sums=any(wants.values()))
+        for r in acting:
+            session = sessions[r]
             sums = None
             if wants[r]:
                 sums = result.col_sums[r : r + 1, :, : int(session.lengths(layer_idx).max())]
@@ -150,10 +156,14 @@ class ModelRunner:
             session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
         return result.out
 
-    def joint_select(self, sessions: list[Session], layer_idx: int, query, positions, length: int) -> torch.Tensor | None:
-        """Each request's choice of entries to read (dynamic selection is per request), as one index
-        [R, H, k] into the joint view of ``length`` columns (-1: none); None when every request reads all."""
-        chosen = [s.select(layer_idx, None, query[r : r + 1], positions[r : r + 1]) for r, s in enumerate(sessions)]
+    def joint_select(self, sessions: list[Session], acting: list[int], layer_idx: int, query, positions,
+                     length: int) -> torch.Tensor | None:
+        """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows
+        may choose), as one index [R, H, k] into the joint view of ``length`` columns (-1: none); None when every
+        request reads all."""
+        chosen: list[torch.Tensor | None] = [None] * len(sessions)
+        for r in acting:
+            chosen[r] = sessions[r].select(layer_idx, None, query[r : r + 1], positions[r : r + 1])
         if all(c is None for c in chosen):
             return None
         rows = []

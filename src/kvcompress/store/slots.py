@@ -111,7 +111,8 @@ class SlotPool:
         (the engine, idle: plain slots and coded blocks grow again with the next load)."""
         if self.used_bytes == 0:
             for store in (self, *self.tiers):
-                store._empty_arrays(store._initial)
+                if store._arena != store._initial:  # already at its first size: nothing to give back
+                    store._empty_arrays(store._initial)
 
     # ----- sizes ---------------------------------------------------------------------------
     @property
