@@ -104,7 +104,8 @@ def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, w
     query, keys, values, tables, lengths, log_weights, view, kivi = _case(seed, rows, heads, groups, dim, lengths, hole_rate, weighted,
                                                                           dtype, coded_rate, bits, group_size)
     scaling = 1 / math.sqrt(dim)
-    ref_out, ref_lse, _ = read_reference(query[:, :, None], torch.ones(rows, 1, dtype=torch.long), view, scaling)
+    ref_out, ref_lse, ref_sums = read_reference(query[:, :, None], torch.ones(rows, 1, dtype=torch.long), view, scaling, col_sums=True)
+    longest = view.shape[2]
     for fn in reads:
         out, lse = fn(query, keys, values, tables, lengths, log_weights, scaling, kivi)
         assert out.shape == query.shape and lse.shape == query.shape[:2] and lse.dtype == torch.float32
@@ -113,6 +114,13 @@ def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, w
         assert torch.allclose(lse[finite], ref_lse[:, :, 0][finite], atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]), fn.__name__
         assert torch.allclose(out, ref_out[:, :, 0], atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype]), fn.__name__
         assert bool((out[~finite] == 0).all())
+        # asked for, the logits are written in place (3 spare columns stay as they were); the read is unchanged
+        scores = torch.full((rows, heads * groups, longest + 3), -math.inf)
+        out_again, lse_again = fn(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
+        assert torch.equal(out_again, out) and torch.equal(lse_again, lse), fn.__name__
+        sums = torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]).view(rows, heads, groups, -1).mean(2)
+        assert torch.allclose(sums[..., :longest], ref_sums, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]), fn.__name__
+        assert bool((sums[..., longest:] == 0).all()), fn.__name__
 
 
 @pytest.mark.parametrize("read_fn", [paged_decode, paged_decode_torch])
@@ -137,9 +145,11 @@ def test_a_view_reads_in_place_while_its_entries_are_plain_or_of_one_kivi_tier()
 
     def agrees(view) -> None:
         paged = read(query[: view.shape[0]], positions[: view.shape[0]], view, 0.25)
-        reference, lse, _ = read_reference(query[: view.shape[0]], positions[: view.shape[0]], view, 0.25)
+        reference, lse, sums = read_reference(query[: view.shape[0]], positions[: view.shape[0]], view, 0.25, col_sums=True)
         assert torch.allclose(paged.out, reference, atol=1e-5)
         assert paged.lse is None or torch.allclose(paged.lse, lse, atol=1e-5)  # the exact SDPA path gives none
+        with_sums = read(query[: view.shape[0]], positions[: view.shape[0]], view, 0.25, col_sums=True)  # in place too (H2O's)
+        assert torch.allclose(with_sums.out, reference, atol=1e-5) and torch.allclose(with_sums.col_sums, sums, atol=1e-5)
 
     view = table.view(pool)
     assert view.pages is not None and view.pages.tables[0].data_ptr() == table.ids.data_ptr()
@@ -164,6 +174,8 @@ def test_a_selection_reads_only_the_chosen_entries_in_place():
     query, positions = torch.randn(2, 2, 1, 16), torch.tensor([[40], [40]])
     select = torch.randint(-1, 40, (2, 2, 7))
     view = table.view(pool)
-    paged = read(query, positions, view, 0.25, select=select)
-    reference, _, _ = read_reference(query, positions, view.select(select), 0.25)
+    paged = read(query, positions, view, 0.25, select=select, col_sums=True)
+    reference, _, sums = read_reference(query, positions, view.select(select), 0.25, col_sums=True)
     assert torch.allclose(paged.out, reference, atol=1e-5)
+    chosen = torch.zeros(2, 2, 40).scatter_add(-1, select.clamp(min=0), sums.masked_fill(select < 0, 0.0))  # back in the view's columns
+    assert torch.allclose(paged.col_sums, chosen, atol=1e-5)

@@ -15,6 +15,7 @@ entries appended behind an evicted prefix need no mask bookkeeping.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,9 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
     full_length = view.shape[2]
     if select is not None:
         view = view.select(select)
-    if query.shape[2] == 1 and not (col_sums or reference) and view.pages is not None:  # a decoding step: read in place
-        return ReadResult(*read_paged(query, view, scaling))
-    if reference:
+    if query.shape[2] == 1 and not reference and view.pages is not None:  # a decoding step: read in place
+        out, lse, sums = read_paged(query, view, scaling, col_sums)
+    elif reference:
         out, lse, sums = read_reference(query, query_positions, view, scaling, col_sums)
         out = out.to(query.dtype)
     elif select is None and view.uniform and view.log_weights is None and view.summary is None and not (col_sums or need_lse):
@@ -63,16 +64,24 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
     return ReadResult(out, lse, sums)
 
 
-def read_paged(query: torch.Tensor, view: KVView, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One decoding query per row [B, Hq, 1, d] over the entries where they live (``view.pages``), the summary
-    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32)."""
+    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32, the column sums [B, H, L] if asked: each entry's weight,
+    exp(logit − lse) from the logits the read filled in, mean over the GQA group, before the summary merge)."""
     pages = view.pages
     keys, values, kivi = pages.arrays()
-    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi)
+    rows, hq, length = query.shape[0], query.shape[1], view.shape[2]
+    scores = torch.full((rows, hq, length), -math.inf, device=query.device) if col_sums else None
+    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi, scores)
+    sums = None
+    if col_sums:
+        weights = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # exp(-inf) = 0 on holes
+        sums = weights.view(rows, view.shape[1], hq // view.shape[1], length).mean(dim=2)
     out, lse = out[:, :, None], lse[:, :, None]
     if view.summary is not None:
         out, lse = merge_summary(query, out, lse, view.summary, view.shape[1], scaling)
-    return out, lse
+    return out, lse, sums
 
 
 __all__ = [

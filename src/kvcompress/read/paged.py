@@ -8,8 +8,11 @@ plain arrays; ``tables`` one int32 [H, L_r] slot table per row (any strides: a v
 table, so nothing is concatenated or copied), slot 0 = a hole (padding, or an entry a selection left
 out), skipped; ``lengths`` int64 [R, H], the entries of each head; ``log_weights`` one float32 [H, L_r]
 per row or None, added to the logits; ``kivi`` the one tier of KIVI blocks the tables may name (``store.view.KiviBlocks``:
-an id ``tier << TIER_SHIFT | block · G + offset``), read and dequantised in place, or None (plain slots only). Returns ``out`` [R, Hq, d] in the query's dtype and ``lse``
-[R, Hq] float32 (-inf where a head holds nothing, whose output is 0).
+an id ``tier << TIER_SHIFT | block · G + offset``), read and dequantised in place, or None (plain slots only);
+``scores`` a float32 [R, Hq, L] buffer (L at least every head's length) that the read fills in place with each entry's
+logit (scaled, its log-weight added, -inf on a hole; columns past a head's length untouched), or None: what column
+sums are made of (H2O's). Returns ``out`` [R, Hq, d] in the query's dtype and ``lse`` [R, Hq] float32 (-inf where a
+head holds nothing, whose output is 0).
 
 * On the CPU: a small C++ kernel (``csrc/paged_decode.cpp``), compiled on first use with the system's C++
   compiler through ``torch.utils.cpp_extension`` and cached (``make setup`` builds it; ``python -c "from
@@ -75,26 +78,26 @@ def _ninja_on_path() -> None:
 
 
 def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
-                 log_weights: list[torch.Tensor | None] | None, scaling: float, kivi: KiviBlocks | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 log_weights: list[torch.Tensor | None] | None, scaling: float, kivi: KiviBlocks | None = None,
+                 scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over slot tables (see the module docstring): (out [R, Hq, d], lse [R, Hq] float32)."""
     if query.device.type == "cuda" and (triton_read := triton_kernel()) is not None:
-        return triton_read(query, keys, values, tables, lengths, log_weights, scaling, kivi)
+        return triton_read(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
     kernel = cpu_kernel() if query.device.type == "cpu" else None
     if kernel is None:
-        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, kivi)
+        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
     weights = [torch.empty(0) if w is None else w for w in (log_weights or [None] * len(tables))]
     scaled = (query.float() * scaling).contiguous()
     spec = [] if kivi is None else [kivi.tier, kivi.codec.bits, kivi.codec.block_size, kivi.codec.channel_group(query.shape[-1])]
     arrays = [] if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
     out, lse = kernel.paged_decode(scaled, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT, spec,
-                                   arrays)
+                                   arrays, torch.empty(0) if scores is None else scores)
     return out.to(query.dtype), lse
 
 
 def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
                        lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float,
-                       kivi: KiviBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       kivi: KiviBlocks | None = None, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract in plain PyTorch, float32 math: gather each row's entries (KIVI's decoded by its codec), mask
     holes and padding, attend."""
     rows, hq, d = query.shape
@@ -112,10 +115,20 @@ def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     k, v = k.view(rows, heads, longest, d), v.view(rows, heads, longest, d)
     q = query.float().view(rows, heads, groups, d)
     logits = torch.einsum("rhgd,rhld->rhgl", q, k) * scaling + bias[:, :, None]
+    if scores is not None:
+        _fill_scores(scores, logits.reshape(rows, hq, longest), lengths)
     lse = torch.logsumexp(logits, dim=-1)  # -inf where a head sees nothing
     probs = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("rhgl,rhld->rhgd", probs, v)
     return out.reshape(rows, hq, d).to(query.dtype), lse.reshape(rows, hq)
+
+
+def _fill_scores(scores: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Write logits [R, Hq, L'] into ``scores`` [R, Hq, L] where each query's head holds entries (the contract's
+    in-place fill: columns past a head's length untouched)."""
+    rows, hq, longest = logits.shape
+    inside = torch.arange(longest, device=logits.device) < lengths.to(logits.device).repeat_interleave(hq // lengths.shape[1], dim=1)[..., None]
+    scores[..., :longest] = torch.where(inside, logits, scores[..., :longest])
 
 
 def _gathered(keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, kivi: KiviBlocks | None) -> tuple[torch.Tensor, torch.Tensor]:

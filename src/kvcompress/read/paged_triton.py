@@ -40,7 +40,8 @@ def _dequantised(codes, zero, scale, entry, param, seen, dims, in_dim, DIM: tl.c
 
 @triton.jit
 def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_zero, key_scale, value_codes, value_zero, value_scale,
-                  part_acc, part_max, part_sum, scaling, table_row_stride, table_head_stride, splits, num_slots, kivi_blocks,
+                  part_acc, part_max, part_sum, scores, scores_stride, scaling, table_row_stride, table_head_stride, splits,
+                  num_slots, kivi_blocks, HAS_SCORES: tl.constexpr,
                   HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr,
                   DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                   KIVI_TIER: tl.constexpr, BITS: tl.constexpr, KIVI_GROUP: tl.constexpr, CHANNEL_GROUP: tl.constexpr,
@@ -80,6 +81,8 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
         if HAS_WEIGHTS:
             logits += tl.load(weights + row * table_row_stride + head * table_head_stride + column, mask=inside, other=0.0)[None, :]
         logits = tl.where(seen[None, :], logits, float("-inf"))
+        if HAS_SCORES:
+            tl.store(scores + query_rows[:, None] * scores_stride + column[None, :], logits, mask=(group < GROUPS)[:, None] & inside[None, :])
         new_top = tl.maximum(top, tl.max(logits, 1))
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)
         rescale = tl.exp(top - shift)  # 0 while nothing was seen
@@ -95,7 +98,7 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
 
 def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
                         lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float,
-                        kivi: KiviBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        kivi: KiviBlocks | None = None, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged.paged_decode``'s contract in Triton: (out [R, Hq, d] in the query's dtype, lse [R, Hq] float32)."""
     rows, hq, dim = query.shape
     heads = lengths.shape[1]
@@ -112,8 +115,9 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     coded = [keys] * 6 if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
     _split_kernel[(rows, heads, splits)](
         query.contiguous(), keys, values, slots, lengths.to(device=device, dtype=torch.int64).contiguous(),
-        slots if weights is None else weights, *coded, part_acc, part_max, part_sum, scaling, slots.stride(0), slots.stride(1), splits,
-        keys.shape[0], coded[0].shape[0], HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad, SPLIT=SPLIT,
+        slots if weights is None else weights, *coded, part_acc, part_max, part_sum, part_max if scores is None else scores,
+        0 if scores is None else scores.stride(1), scaling, slots.stride(0), slots.stride(1), splits, keys.shape[0], coded[0].shape[0],
+        HAS_SCORES=scores is not None, HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad, SPLIT=SPLIT,
         BLOCK=BLOCK, HAS_WEIGHTS=weights is not None, KIVI_TIER=0 if kivi is None else kivi.tier,
         BITS=2 if kivi is None else kivi.codec.bits, KIVI_GROUP=1 if kivi is None else kivi.codec.block_size,
         CHANNEL_GROUP=dim if kivi is None else kivi.codec.channel_group(dim), TIER_SHIFT=TIER_SHIFT, ENTRY_MASK=ENTRY_MASK)

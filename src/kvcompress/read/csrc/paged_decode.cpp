@@ -209,11 +209,12 @@ inline Kind classify(int64_t id, int64_t num_slots, const Kivi& kivi, int64_t& w
   return HOLE;
 }
 
-// One chunk [begin, end) of one head: the unnormalised output acc [G, d], its running max m [G] and sum l [G].
+// One chunk [begin, end) of one head: the unnormalised output acc [G, d], its running max m [G] and sum l [G]; where
+// `scores` is given ([G, stride] of this head's queries), each entry's logit (-inf on a hole) at its column.
 template <typename scalar_t>
 void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* keys, const scalar_t* values, int64_t num_slots,
                   const Kivi& kivi, const Table& table, int64_t head, int64_t begin, int64_t end, float* acc, float* m, float* l,
-                  std::atomic<bool>& out_of_range) {
+                  float* scores, int64_t scores_stride, std::atomic<bool>& out_of_range) {
   std::vector<float> logits(groups * BLOCK);
   std::vector<float> scaled(kivi.tier ? groups * d : 0), offset(kivi.tier ? groups : 0), row(kivi.tier ? d : 0), zero(kivi.tier ? d : 0);
   int64_t where[BLOCK];
@@ -254,6 +255,8 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
         for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] = NEG_INF;
       }
     }
+    if (scores)
+      for (int64_t g = 0; g < groups; ++g) std::copy(logits.data() + g * BLOCK, logits.data() + g * BLOCK + n, scores + g * scores_stride + start);
     for (int64_t g = 0; g < groups; ++g) {
       float* probs = logits.data() + g * BLOCK;
       float peak = NEG_INF;
@@ -287,7 +290,7 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
 
 template <typename scalar_t>
 void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const Kivi& kivi,
-         const std::vector<Table>& tables, const at::Tensor& lengths, at::Tensor& out, at::Tensor& lse) {
+         const std::vector<Table>& tables, const at::Tensor& lengths, at::Tensor& out, at::Tensor& lse, at::Tensor& scores) {
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t heads = lengths.size(1), groups = hq / heads;
   const int64_t num_slots = keys.size(0);
@@ -304,12 +307,15 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   for (int64_t rh = 0; rh < rows * heads; ++rh)
     for (int64_t t = first[rh]; t < first[rh + 1]; ++t) owner[t] = rh;
   std::atomic<bool> out_of_range{false};
+  float* score = scores.numel() ? scores.data_ptr<float>() : nullptr;
+  const int64_t score_stride = scores.numel() ? scores.size(2) : 0;
   at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t rh = owner[t], r = rh / heads, h = rh % heads;
       const int64_t begin = (t - first[rh]) * CHUNK, end = std::min(length[rh], begin + CHUNK);
       attend_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, k, v, num_slots, kivi, tables[r], h, begin, end,
-                             acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups, out_of_range);
+                             acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups,
+                             score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride, out_of_range);
     }
   });
   TORCH_CHECK(!out_of_range, "paged_decode: a slot table names a slot outside the pool, or a coded entry of a tier it was not given");
@@ -388,12 +394,13 @@ Kivi kivi_tier(int64_t tier_shift, const std::vector<int64_t>& spec, const std::
 // [H, L_r] slot table (any strides); lengths [R, H] int64; weights: per row a float32 [H, L_r] log-weight table
 // or an empty tensor; tier_shift: an entry id is tier << tier_shift | its place in the tier (0: a plain slot);
 // kivi: (tier, bits, group, channel group) of the KIVI tier read in place and its arrays
-// (key_codes, key_zero, key_scale, value_codes, value_zero, value_scale), or both empty. Returns (out [R, Hq, d]
-// float32, lse [R, Hq] float32).
+// (key_codes, key_zero, key_scale, value_codes, value_zero, value_scale), or both empty; scores: float32 [R, Hq, L]
+// (L at least every head's length), filled in place with each entry's logit (scaled, its log-weight added; -inf on
+// holes; columns past a head's length untouched), or an empty tensor. Returns (out [R, Hq, d] float32, lse [R, Hq] float32).
 std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
                                      const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
-                                     const std::vector<at::Tensor>& kivi_arrays) {
+                                     const std::vector<at::Tensor>& kivi_arrays, at::Tensor scores) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: float32 [R, Hq, d], contiguous");
   TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
                   keys.scalar_type() == values.scalar_type() && keys.size(1) == query.size(2),
@@ -422,10 +429,16 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& 
     views.push_back(view);
   }
   const Kivi kivi = kivi_tier(tier_shift, kivi_spec, kivi_arrays, query.size(2));
+  if (scores.numel() > 0) {
+    TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(0) == query.size(0) &&
+                    scores.size(1) == query.size(1) &&
+                    (lengths.numel() == 0 || scores.size(2) >= *std::max_element(length, length + lengths.numel())),
+                "scores: float32 [R, Hq, L], contiguous, L at least every head's length");
+  }
   auto out = at::empty(query.sizes(), query.options());
   auto lse = at::empty({query.size(0), query.size(1)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode",
-                                  [&] { run<scalar_t>(query, keys, values, kivi, views, lengths, out, lse); });
+                                  [&] { run<scalar_t>(query, keys, values, kivi, views, lengths, out, lse, scores); });
   return {out, lse};
 }
 
