@@ -102,7 +102,7 @@ def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, 
             counter["value"] += r * heads * q
             positions = torch.arange(counter["position"], counter["position"] + q).expand(r, q)
             counter["position"] += q
-            keys = values[..., None].expand(r, heads, q, DIM).clone()
+            keys = values[..., None] * torch.linspace(1, -1, DIM)  # channels differ (page bounds per channel); channel 0 = value
             tables[key].append(pool, keys, -keys, positions, rows=rows)
             for i, row in enumerate(picked):
                 for h in range(heads):

@@ -28,8 +28,10 @@ from .parts import Needs, Reads
 def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """Upper bounds of q·k over each page, [B, H, G, pages]: Σ_c max(q_c·min_c, q_c·max_c) for grouped
     queries [B, H, G, d] and page bounds [B, H, pages, 2, d] (min, max per channel)."""
-    q = query.float()[:, :, :, None, None, :]  # [B, H, G, 1, 1, d]
-    return (q * bounds[:, :, None]).amax(dim=4).sum(-1)
+    q = query.float()
+    low, high = bounds.float().unbind(dim=3)  # [B, H, pages, d] each
+    # max(q_c·min_c, q_c·max_c) = max(q_c, 0)·max_c + min(q_c, 0)·min_c (min_c ≤ max_c): two products, no [.., 2, d] tensor
+    return q.clamp(min=0) @ high.transpose(-1, -2) + q.clamp(max=0) @ low.transpose(-1, -2)
 
 
 @dataclass
@@ -73,26 +75,27 @@ class Quest(Reads):
         if bool((view.lengths <= budget[:, None]).all()):
             return None  # every head holds no more than it may read
         device = view.positions.device
-        columns = torch.arange(length, device=device)
         lengths = view.lengths.to(device)[..., None]  # [B, H, 1]
-        protected = (columns < self.sinks) | (columns >= lengths - self.recent)
-        protected &= columns < lengths
         query = group_queries(context.query[:, :, -1:], h)[:, :, :, 0]  # [B, H, G, d]: the step's (last) query
         bound = page_bounds(query, view.page_bounds).amax(dim=2)  # [B, H, pages]: the group's best
         pages = bound.shape[-1]
-        unread = ~protected & (columns < lengths)
-        useful = torch.nn.functional.pad(unread, (0, pages * size - length)).view(b, h, pages, size).any(-1)
-        bound = bound.masked_fill(~useful, float("-inf"))  # pages read anyway, or past a head's end
+        # protected: the first `sinks` entries and the last `recent` of each head (read anyway)
+        sinks = torch.arange(self.sinks, device=device).expand(b, h, -1)
+        sinks = sinks.masked_fill(sinks >= lengths, -1)
+        recent = lengths - self.recent + torch.arange(self.recent, device=device)
+        recent = recent.masked_fill(recent < self.sinks, -1)  # those are sinks already, or before the first entry
+        protected = (sinks >= 0).sum(-1) + (recent >= 0).sum(-1)  # [B, H]
+        # a page is worth a bound when it holds an entry that is neither protected nor past the head's end
+        first = torch.arange(pages, device=device) * size
+        useful = torch.clamp(first, min=self.sinks) < torch.minimum(first + size, lengths - self.recent)
+        bound = bound.masked_fill(~useful, float("-inf"))
         # pages in budget: what the protected entries leave, in whole pages (at least one)
-        room = (budget.to(device)[:, None] - protected.sum(-1)).clamp(min=0)
-        count = torch.clamp(room // size, min=1)
-        rank = bound.argsort(dim=-1, descending=True).argsort(dim=-1)
-        chosen_pages = (rank < count[..., None]) & (bound > float("-inf"))
-        chosen = chosen_pages.repeat_interleave(size, dim=-1)[..., :length] & (columns < lengths)
-        read = chosen | protected
-        k = int(read.sum(-1).max())
-        order = torch.argsort((~read).to(torch.int8), dim=-1, stable=True)[..., :k]
-        return torch.where(read.gather(-1, order), order, -1)
+        count = torch.clamp((budget.to(device)[:, None] - protected).clamp(min=0) // size, min=1)
+        best, chosen = bound.topk(min(int(count.max()), pages), dim=-1)  # [B, H, k]
+        taken = (torch.arange(chosen.shape[-1], device=device) < count[..., None]) & (best > float("-inf"))
+        columns = (chosen[..., None] * size + torch.arange(size, device=device)).flatten(-2)  # [B, H, k · size]
+        inside = taken.repeat_interleave(size, dim=-1) & (columns >= self.sinks) & (columns < lengths - self.recent)
+        return torch.cat([sinks, recent, columns.masked_fill(~inside, -1)], dim=-1)
 
 
 __all__ = ["Quest", "page_bounds"]

@@ -544,9 +544,30 @@ class SlotTable:
             if self.weights is not None:
                 source = torch.zeros(r, h, q, len(self.columns), device=self.device) if weights is None else weights
                 _scatter_rows(self.weights[rows], index, source, mask)
-        start = int(self.lengths[rows].min()) if self.lengths[rows].numel() else 0
+        before = self.lengths[rows].clone()
         self.lengths[rows] += q if added is None else added
-        self._refresh_pages(pool, rows, start)
+        if q == 1 and added is None and self._pages_hold(int(before.max()) + 1 if before.numel() else 0):
+            self._extend_pages(pool, rows, before, ids[..., 0, 0])
+        else:
+            self._refresh_pages(pool, rows, int(before.min()) if before.numel() else 0)
+
+    def _pages_hold(self, entries: int) -> bool:
+        """Whether page bounds are kept and already have room for heads of ``entries`` entries."""
+        return self.page_bounds is not None and self.page_bounds.shape[2] * self.page_size >= entries
+
+    def _extend_pages(self, pool: SlotPool, rows: slice, before: torch.Tensor, slots: torch.Tensor) -> None:
+        """The page bounds after one entry per head (``slots`` [r, H]) was put after the ``before`` [r, H] entries
+        of ``rows``: its page's min and max widened by its key, or set to it where it starts a page (what
+        ``_refresh_pages`` computes, in a few operations: a decoding step's append)."""
+        keys, _ = pool.gather(slots)  # [r, H, d]
+        size = self.page_size
+        page = (before // size).to(self.device)[..., None, None, None].expand(*keys.shape[:2], 1, 2, keys.shape[-1])
+        bounds = self.page_bounds[rows]
+        low, high = bounds.gather(2, page)[:, :, 0].unbind(dim=2)  # [r, H, d] each
+        starts = (before % size == 0).to(self.device)[..., None]
+        low = torch.where(starts, keys, torch.minimum(low, keys))
+        high = torch.where(starts, keys, torch.maximum(high, keys))
+        bounds.scatter_(2, page, torch.stack([low, high], dim=2)[:, :, None])
 
     def _refresh_pages(self, pool: SlotPool, rows: slice, start: int = 0) -> None:
         """Recompute the page bounds of ``rows`` from column ``start`` on (the pages entries were added to or
