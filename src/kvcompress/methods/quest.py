@@ -91,7 +91,8 @@ class Quest(Reads):
         bound = bound.masked_fill(~useful, float("-inf"))
         # pages in budget: what the protected entries leave, in whole pages (at least one)
         count = torch.clamp((budget.to(device)[:, None] - protected).clamp(min=0) // size, min=1)
-        best, chosen = bound.topk(min(int(count.max()), pages), dim=-1)  # [B, H, k]
+        best, chosen = bound.sort(dim=-1, descending=True, stable=True)  # ties: the earlier page first
+        best, chosen = best[..., : int(count.max())], chosen[..., : int(count.max())]  # [B, H, k]
         taken = (torch.arange(chosen.shape[-1], device=device) < count[..., None]) & (best > float("-inf"))
         columns = (chosen[..., None] * size + torch.arange(size, device=device)).flatten(-2)  # [B, H, k · size]
         inside = taken.repeat_interleave(size, dim=-1) & (columns >= self.sinks) & (columns < lengths - self.recent)
