@@ -73,7 +73,7 @@ def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list
     return query, keys, values, tables, lengths, log_weights, view, kivi
 
 
-CASES = dict(rows=st.integers(1, 3), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 7]), dim=st.sampled_from([8, 64]),
+CASES = dict(rows=st.integers(1, 3), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 7]), dim=st.sampled_from([8, 64, 128]),
              data=st.data(), hole_rate=st.sampled_from([0.0, 0.3, 1.0]), weighted=st.booleans(),
              dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16),
              coded_rate=st.sampled_from([0.0, 0.5, 1.0]), bits=st.sampled_from([2, 4]), group_size=st.sampled_from([8, 32]))

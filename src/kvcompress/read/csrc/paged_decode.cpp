@@ -188,6 +188,31 @@ inline void axpy(float* acc, float p, const scalar_t* v, int64_t d) {
   for (int64_t c = 0; c < d; ++c) acc[c] += p * to_float(v[c]);
 }
 
+// acc[g · d + c] += Σ_k probs[g · BLOCK + index[k]] · rows[k][c] for the G queries of a group, over `count` value rows
+// (d = 64 · tiles channels): per tile of 64 channels and four queries, the sums stay in registers while every row of
+// the block is added (one load and store of acc per block, not per entry).
+template <typename row_t>
+inline void accumulate_values(float* acc, const float* probs, int64_t groups, const row_t* const* rows, const int64_t* index,
+                              int64_t count, int64_t d) {
+  constexpr int64_t TILE = 64;
+  for (int64_t c0 = 0; c0 < d; c0 += TILE) {
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+      const int64_t n = std::min<int64_t>(4, groups - g0);
+      float sums[4][TILE];
+      for (int64_t g = 0; g < n; ++g) std::memcpy(sums[g], acc + (g0 + g) * d + c0, sizeof(sums[g]));
+      for (int64_t k = 0; k < count; ++k) {
+        const row_t* v = rows[k] + c0;
+        for (int64_t g = 0; g < n; ++g) {
+          const float p = probs[(g0 + g) * BLOCK + index[k]];
+#pragma omp simd
+          for (int64_t j = 0; j < TILE; ++j) sums[g][j] += p * to_float(v[j]);
+        }
+      }
+      for (int64_t g = 0; g < n; ++g) std::memcpy(acc + (g0 + g) * d + c0, sums[g], sizeof(sums[g]));
+    }
+  }
+}
+
 // The entries of one block of a head, sorted out: kind 0 = a hole (skipped), 1 = a plain slot, 2 = a KIVI-coded
 // entry; where = the slot, or the entry's place in its tier.
 enum Kind : uint8_t { HOLE = 0, PLAIN = 1, CODED = 2 };
@@ -217,6 +242,7 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
                   float* scores, int64_t scores_stride, std::atomic<bool>& out_of_range) {
   std::vector<float> logits(groups * BLOCK);
   std::vector<float> scaled(kivi.tier ? groups * d : 0), offset(kivi.tier ? groups : 0), row(kivi.tier ? d : 0), zero(kivi.tier ? d : 0);
+  std::vector<float> decoded(kivi.tier ? BLOCK * d : 0);  // a block's coded values, decoded
   int64_t where[BLOCK];
   Kind kind[BLOCK];
   int64_t coded_block = -1;  // the block whose q ⊙ s and q · z are in `scaled` and `offset`
@@ -275,12 +301,31 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
       for (int64_t i = 0; i < n; ++i) probs[i] = exp_nonpositive(probs[i] - top);  // holes and padding: 0
       m[g] = top;
     }
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = 0; i < n; ++i) l[g] += logits[g * BLOCK + i];  // holes and padding: 0
+    if (d % 64 == 0) {  // the values in register tiles: plain rows where they live, coded ones decoded first
+      const scalar_t* plain_rows[BLOCK];
+      const float* coded_rows[BLOCK];
+      int64_t plain_index[BLOCK], coded_index[BLOCK], plain = 0, coded = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (kind[i] == PLAIN) {
+          plain_rows[plain] = values + where[i] * d;
+          plain_index[plain++] = i;
+        } else if (kind[i] == CODED) {
+          decode_value(kivi, where[i], decoded.data() + coded * d, d);
+          coded_rows[coded] = decoded.data() + coded * d;
+          coded_index[coded++] = i;
+        }
+      }
+      accumulate_values(acc, logits.data(), groups, plain_rows, plain_index, plain, d);
+      if (coded) accumulate_values(acc, logits.data(), groups, coded_rows, coded_index, coded, d);
+      continue;
+    }
     for (int64_t i = 0; i < n; ++i) {  // a value is loaded (or decoded) once for the group's queries
       if (kind[i] == HOLE) continue;
       if (kind[i] == CODED) decode_value(kivi, where[i], row.data(), d);
       for (int64_t g = 0; g < groups; ++g) {
         const float p = logits[g * BLOCK + i];
-        l[g] += p;
         if (kind[i] == PLAIN) axpy(acc + g * d, p, values + where[i] * d, d);
         else axpy(acc + g * d, p, row.data(), d);
       }
