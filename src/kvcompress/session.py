@@ -319,7 +319,7 @@ class Session:
     def begin_step(self, position: int) -> torch.Tensor:
         """The engine's decoding step of one token at ``position``, before its forward: a slot per (layer, KV head)
         taken and recorded in every layer at once, so that a layer's read only needs its keys and values written
-        there (``SlotPool.write``), then ``code_due``. Returns the slots [num_layers, H]. A method that neither
+        there (``SlotPool.write``), then ``written``. Returns the slots [num_layers, H]. A method that neither
         selects nor acts while decoding has its reads counted here, for every layer (its entries do not change
         during the step)."""
         if self.batch_size != 1:
@@ -328,7 +328,11 @@ class Session:
         heads = self.num_kv_heads
         slots = self.pool.allocate(self.num_layers * heads).view(self.num_layers, heads)
         positions = torch.full((self.num_layers, 1), position, dtype=torch.int32, device=slots.device)
-        self.table.append_written(self.pool, slots[:, :, None], positions)
+        try:
+            self.table.append_slots(self.pool, slots[:, :, None], positions)
+        except BaseException:
+            self.pool.release(slots.reshape(-1))  # not recorded: nothing holds them
+            raise
         for layer in self.layers:
             layer.seen += 1
             layer.tokens_seen = layer.tokens_seen + 1
@@ -353,6 +357,12 @@ class Session:
             self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
         if layer_idx == 0:
             self._step = {}
+
+    def written(self, layer_idx: int) -> None:
+        """A decoding step's keys and values of a layer are in the pool where ``begin_step`` recorded them: the
+        page bounds follow (Quest), then ``code_due``."""
+        self.table.written(self.pool, self.rows(layer_idx))
+        self.code_due(layer_idx)
 
     def code_due(self, layer_idx: int) -> None:
         """Code a layer's oldest plain entries (coded storage) once a chunk's worth has come since the last time."""

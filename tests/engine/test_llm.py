@@ -108,6 +108,20 @@ def test_compressing_methods_equal_the_single_request_cache(name, step_tokens):
     assert llm.pool.num_used == 0
 
 
+@pytest.mark.parametrize("spec", ["snapkv:window=8", "h2o", "quest:page_size=4:recent=4:sinks=2:dense_layers=0"])
+def test_the_engine_counts_the_entries_read_as_the_single_request_cache(spec):
+    """cr (entries read per decoding step ÷ full's): counted once per step for a method that only reads
+    (``Session.begin_step``), per layer for one that acts or selects; either way as the single-request cache counts."""
+    model = sharp_model(seed=2)
+    method = kvc.get_method(spec, budget=20)
+    prompt = prompts_of([90], seed=3)[0]
+    cache = kvc.CompressedCache(model, method)
+    model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = make_llm(model).generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True), method=method)[0]
+    assert 0 < cache.stats()["cr"] < 1
+    assert out.stats["cr"] == pytest.approx(cache.stats()["cr"], rel=1e-9)
+
+
 def test_admission_by_compressed_size_fits_more_requests():
     model = sharp_model()
     per_token = 2 * 2  # layers × KV heads

@@ -11,6 +11,7 @@ import kvcompress as kvc
 from kvcompress.methods import get_method
 from kvcompress.methods.omnikv import filter_layers
 from kvcompress.methods.quest import page_bounds
+from kvcompress.methods.selection import true_columns
 from kvcompress.read import attend_reference, attention_probs, group_queries, read
 from kvcompress.store.slots import SlotPool, SlotTable
 from kvcompress.store.view import Edit
@@ -238,3 +239,14 @@ def test_selection_in_the_engine_is_per_request_and_equals_the_single_request_ca
         assert out.token_ids == reference(model, prompt, 10, method), method.label
         assert out.stats["cr"] < 1.0 or method.name == "full"
     assert llm.pool.num_used == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(0, 40), rate=st.floats(0.0, 1.0), seed=st.integers(0, 10**6))
+def test_true_columns_lists_each_rows_true_entries_in_order(rows, length, rate, seed):
+    mask = torch.rand(rows, 2, length, generator=torch.Generator().manual_seed(seed)) < rate
+    index = true_columns(mask)
+    assert index.shape[-1] == max(int(mask.sum(-1).max()) if mask.numel() else 0, 1)
+    for row, chosen in zip(mask.reshape(rows * 2, length), index.reshape(rows * 2, index.shape[-1])):
+        expected = row.nonzero().squeeze(1).tolist()
+        assert chosen.tolist() == expected + [-1] * (len(chosen) - len(expected))

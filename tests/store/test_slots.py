@@ -232,3 +232,32 @@ def test_a_fixed_pools_coded_tiers_draw_on_its_byte_budget():
     again = SlotTable(1, 2)
     again.append(pool, keys, keys, torch.arange(12).expand(1, 12))  # and it grows again
     assert torch.equal(again.view(pool).keys, keys)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 20), min_size=2, max_size=2), steps=st.integers(1, 12), page_size=st.sampled_from([1, 3, 4]),
+       seed=st.integers(0, 10**6))
+def test_entries_recorded_before_their_keys_get_the_page_bounds_of_an_append(lengths, steps, page_size, seed):
+    """The engine's step: ``append_slots`` records a slot per head, the key is written there afterwards, then
+    ``written``; the page bounds equal those of appending the same keys (ragged heads, pages that start or fill)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool, engine, plain = SlotPool(DIM), SlotTable(1, 2, page_size=page_size), SlotTable(1, 2, page_size=page_size)
+    longest = max(lengths)
+    prompt = torch.randn(1, 2, longest, DIM, generator=gen)
+    keep = torch.arange(longest) < torch.tensor(lengths)[:, None]  # ragged heads: the first lengths[h] kept
+    for table in (engine, plain):
+        table.append(pool, prompt, prompt, torch.arange(longest).expand(1, longest))
+        if longest:
+            table.apply(pool, Edit(keep=keep[None]))
+    for step in range(steps):
+        keys = torch.randn(1, 2, 1, DIM, generator=gen)
+        plain.append(pool, keys, keys, torch.tensor([[100 + step]]))
+        slots = pool.allocate(2).view(1, 2, 1)
+        engine.append_slots(pool, slots, torch.tensor([[100 + step]]))
+        pool.write(slots.reshape(-1), keys.reshape(2, DIM), keys.reshape(2, DIM))
+        engine.written(pool)
+        pages = -(-int(plain.lengths.max()) // page_size)
+        assert torch.equal(engine.lengths, plain.lengths)
+        for h in range(2):
+            used = -(-int(plain.lengths[0, h]) // page_size)
+            assert torch.equal(engine.page_bounds[0, h, :used], plain.page_bounds[0, h, :used]), (step, h, pages)

@@ -140,7 +140,7 @@ class ModelRunner:
         dim = key.shape[-1]
         self.pool.write(slots.reshape(-1), key.reshape(-1, dim), value.reshape(-1, dim))
         for session in sessions:
-            session.code_due(layer_idx)
+            session.written(layer_idx)
         parts = [(s.table, s.rows(layer_idx), s.layers[layer_idx].summary) for s in sessions]
         view = SlotTable.joint_view(self.pool, parts)
         acting = [r for r, s in enumerate(sessions) if s.acts_per_layer]

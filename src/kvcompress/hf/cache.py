@@ -259,7 +259,7 @@ def watch_prefills(model) -> None:
 
 
 def _after_decoder(module, args, kwargs, output):
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers ≥ 5.24 names it `cache`
     if isinstance(cache, CompressedCache) and cache.session.replay_pending:
         cache.replay(module, kwargs.get("input_ids", args[0] if args else None))
     return None

@@ -21,6 +21,7 @@ import torch
 
 from ..read import attention_probs, group_queries
 from .parts import Reads
+from .selection import true_columns
 
 STEP = "omnikv_tokens"
 
@@ -114,9 +115,7 @@ class OmniKV(Reads):
         spare = torch.cat([wanted, torch.zeros(b, 1, dtype=torch.bool, device=wanted.device)], dim=1)
         index = view.positions.clamp(max=tokens).reshape(b, -1)
         read = (spare.gather(1, index).view(view.shape) & view.valid_or_ones()) | self.protected(view)
-        k = max(int(read.sum(-1).max()), 1)
-        order = torch.argsort((~read).to(torch.int8), dim=-1, stable=True)[..., :k]
-        return torch.where(read.gather(-1, order), order, -1)
+        return true_columns(read)
 
 
 __all__ = ["OmniKV", "filter_layers"]

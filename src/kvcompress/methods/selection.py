@@ -169,6 +169,16 @@ def sink_mask(positions: torch.Tensor, valid: torch.Tensor | None, sinks: int) -
     return mask if valid is None else mask & valid
 
 
+def true_columns(mask: torch.Tensor) -> torch.Tensor:
+    """Indices [..., k] of each row's True entries of ``mask`` [..., L], in order, -1 after them (k: the most True
+    entries of any row, at least 1): a selection's read index. A running count places each entry (no sort)."""
+    k = max(int(mask.sum(-1).max()) if mask.numel() else 0, 1)
+    place = torch.where(mask, mask.cumsum(-1) - 1, k)  # unread entries all go to a spare column k, cut below
+    columns = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    index = torch.full((*mask.shape[:-1], k + 1), -1, dtype=torch.long, device=mask.device)
+    return index.scatter_(-1, place, columns)[..., :k]
+
+
 __all__ = [
     "PROTECTED_PRIORITY",
     "adaptive_head_budgets",
@@ -182,4 +192,5 @@ __all__ = [
     "round_preserving_sum",
     "sink_mask",
     "top_per_head",
+    "true_columns",
 ]

@@ -518,17 +518,34 @@ class SlotTable:
         self._record(pool, ids, added, weights, rows)
 
     @_plain_tensors
-    def append_written(self, pool: SlotPool, slots: torch.Tensor, positions: torch.Tensor, rows: Rows = None) -> None:
-        """Record entries already written to the pool (``slots`` [r, H, q] at positions [r, q]: a batch of
-        requests written at once) after each head's last entry of ``rows``."""
+    def append_slots(self, pool: SlotPool, slots: torch.Tensor, positions: torch.Tensor, rows: Rows = None) -> None:
+        """Record one entry per head (``slots`` [r, H, 1] at positions [r, 1]) after each head's last entry of
+        ``rows``, before its key and value are written there (the engine's decoding step records every layer's
+        entries before the forward writes them, layer by layer); once a row's are written, ``written`` brings
+        its page bounds up to date."""
         r, h, q = slots.shape
         ids = torch.stack([slots.to(torch.int32), positions[:, None, :].expand(r, h, q).to(torch.int32)], dim=-1)
-        self._record(pool, ids, None, None, _all(rows))
+        self._record(pool, ids, None, None, _all(rows), pages=False)
+
+    @_plain_tensors
+    def written(self, pool: SlotPool, rows: Rows = None) -> None:
+        """The last entry of each head of ``rows`` (recorded by ``append_slots``) now holds its key in the pool:
+        its page's bounds are widened by it."""
+        if not self.page_size:
+            return
+        rows = _all(rows)
+        before = self.lengths[rows] - 1
+        if self._pages_hold(int(before.max()) + 1):
+            last = self.ids[rows, :, :, 0].gather(2, before.to(self.device)[..., None].long())[..., 0]  # [r, H]
+            self._extend_pages(pool, rows, before, last)
+        else:
+            self._refresh_pages(pool, rows, int(before.min()))
 
     def _record(self, pool: SlotPool, ids: torch.Tensor, added: torch.Tensor | None, weights: torch.Tensor | None,
-                rows: slice) -> None:
+                rows: slice, pages: bool = True) -> None:
         """Put new (slot, position) rows ids [r, H, q, 2] after each head's last entry (``added`` [r, H] of
-        them per head, left-aligned; None = all q); ``weights`` [r, H, q, C] (None: zeros)."""
+        them per head, left-aligned; None = all q); ``weights`` [r, H, q, C] (None: zeros). ``pages``: bring
+        the page bounds up to date now (False: the keys are not written yet, see ``append_slots``)."""
         r, h, q, _ = ids.shape
         longest, uniform = self.span(rows)
         self._reserve(longest + q)
@@ -546,6 +563,8 @@ class SlotTable:
                 _scatter_rows(self.weights[rows], index, source, mask)
         before = self.lengths[rows].clone()
         self.lengths[rows] += q if added is None else added
+        if not pages:
+            return
         if q == 1 and added is None and self._pages_hold(int(before.max()) + 1 if before.numel() else 0):
             self._extend_pages(pool, rows, before, ids[..., 0, 0])
         else:
