@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from .hf import CompressedCache
 from .methods import Policy
+from .models import cache_kwargs
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -90,14 +91,14 @@ def bench_one(model, method: Policy | None, input_ids: torch.Tensor, decode_toke
         cache = CompressedCache(model, method, tokenizer=tokenizer) if method is not None else _PlainCache()
         _sync(device)
         start = time.perf_counter()
-        logits = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids, **cache_kwargs(cache), logits_to_keep=1).logits
         _sync(device)
         prefill_wall = time.perf_counter() - start
         compressed = cache.stats()
         next_ids = logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(decode_tokens):
-            logits = model(next_ids, past_key_values=cache, use_cache=True).logits
+            logits = model(next_ids, **cache_kwargs(cache)).logits
             next_ids = logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         decode_wall = time.perf_counter() - start

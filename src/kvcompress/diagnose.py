@@ -24,6 +24,7 @@ from tqdm import tqdm
 from .hf import CompressedCache
 from .demo import haystack_text
 from .methods import Policy
+from .models import cache_kwargs
 
 
 def text_ids(tokenizer, text: str | None, count: int) -> list[int]:
@@ -43,11 +44,11 @@ def diagnose(model, tokenizer, methods: list[Policy], *, text: str | None = None
     ids = torch.tensor([text_ids(tokenizer, text, context_tokens + continuation_tokens)], device=model.device)
     context, continuation = ids[:, :context_tokens], ids[:, context_tokens:]
     shared = CompressedCache.shared(model, methods, tokenizer)
-    model(context, past_key_values=shared, use_cache=True, logits_to_keep=1)
+    model(context, **cache_kwargs(shared), logits_to_keep=1)
 
     full = shared.fork(shared.method)
     full.recorder = {}
-    chunk_logits = model(continuation, past_key_values=full, use_cache=True).logits[0, :-1].float()
+    chunk_logits = model(continuation, **cache_kwargs(full)).logits[0, :-1].float()
     steps = [full.recorder[idx][:4] for idx in range(len(full.layers))]  # each layer's queries, keys, values, positions
     targets = continuation[0, 1:]
     references = {False: ([full.recorder[idx][4] for idx in range(len(full.layers))], chunk_logits,
@@ -87,11 +88,11 @@ def continuation_fidelity(model, compressed: CompressedCache, continuation: torc
     session = compressed.session
     if stepwise:
         outputs = session.probe_steps(steps)
-        logits = torch.stack([model(continuation[:, t:t + 1], past_key_values=compressed, use_cache=True).logits[0, -1]
+        logits = torch.stack([model(continuation[:, t:t + 1], **cache_kwargs(compressed)).logits[0, -1]
                               for t in range(continuation.shape[1] - 1)]).float()
     else:
         outputs = [session.probe(idx, *step) for idx, step in enumerate(steps)]
-        logits = model(continuation, past_key_values=compressed, use_cache=True).logits[0, :-1].float()
+        logits = model(continuation, **cache_kwargs(compressed)).logits[0, :-1].float()
     return outputs, logits
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .hf import CompressedCache
 from .methods import Policy, get_method
-from .models import model_facts
+from .models import cache_kwargs, model_facts
 
 _SLOT = "\x00QUESTION\x00"
 
@@ -139,7 +139,7 @@ def prefill(model, cache: CompressedCache, prompt: Prompt, query_aware: bool) ->
     ids = prompt.ids if query_aware else prompt.prefix_ids
     start = time.perf_counter()
     with torch.inference_mode():
-        logits = model(torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(torch.tensor([ids], device=model.device), **cache_kwargs(cache), logits_to_keep=1).logits
     return logits, time.perf_counter() - start
 
 
@@ -154,7 +154,7 @@ def answer(
     logits = prefill_logits
     if not query_aware:
         logits = model(
-            torch.tensor([prompt.suffix_ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1
+            torch.tensor([prompt.suffix_ids], device=model.device), **cache_kwargs(cache), logits_to_keep=1
         ).logits
     question_s = time.perf_counter() - start
     token_ids, decode_s = _greedy(model, cache, logits, max_new_tokens, eos_ids(model, tokenizer))
@@ -192,5 +192,5 @@ def _greedy(model, cache, logits, max_new_tokens, eos_ids) -> tuple[list[int], f
         token_ids.append(next_id)
         if next_id in eos_ids or step == max_new_tokens - 1:
             break
-        logits = model(torch.tensor([[next_id]], device=model.device), past_key_values=cache, use_cache=True).logits
+        logits = model(torch.tensor([[next_id]], device=model.device), **cache_kwargs(cache)).logits
     return token_ids, time.perf_counter() - start

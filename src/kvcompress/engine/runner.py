@@ -22,7 +22,7 @@ import torch
 
 from ..hf.cache import ATTENTION_NAME, CompressedCache
 from ..hf.layers import HandOverCache, PositionsLayer
-from ..models import attention_modules
+from ..models import attention_modules, cache_kwargs
 from ..read import read
 from ..session import Session
 from ..store.slots import SlotPool, SlotTable
@@ -89,7 +89,7 @@ class ModelRunner:
         cache = self._cache_for(request)
         ids = torch.tensor([request.tokens], device=self.device)
         try:
-            logits = self.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = self.model(ids, **cache_kwargs(cache), logits_to_keep=1).logits
         except BaseException:
             cache.session.release()  # a prefill that did not fit leaves nothing behind
             raise
@@ -128,7 +128,7 @@ class ModelRunner:
         if self.model.config._attn_implementation != ATTENTION_NAME:
             raise RuntimeError("the model left the kvcompress attention implementation")
         logits = self.model(torch.tensor([ids], device=self.device), position_ids=torch.tensor([positions], device=self.device),
-                            past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device)).logits[0]
+                            **cache_kwargs(cache), logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device)).logits[0]
         finals = iter(logits[len(requests):])
         return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models import cache_kwargs
 from ..session import Session
 from .layers import HandOverCache, PositionsLayer
 
@@ -83,7 +84,7 @@ def run_replay(decoder, session: Session, modules, prompts: ReplayPrompts, promp
     for chunk in range(len(rows[0])):
         ids = torch.tensor([inputs[chunk] for inputs in rows], device=prompt_ids.device)
         positions = torch.arange(seen, seen + ids.shape[1], device=ids.device).expand_as(ids)
-        decoder(input_ids=ids, position_ids=positions, past_key_values=_ReplayCache(session, modules), use_cache=True)
+        decoder(input_ids=ids, position_ids=positions, **cache_kwargs(_ReplayCache(session, modules)))
     session.timings["replay_s"] = time.perf_counter() - start
     session.timings["compress_s"] += session.timings["replay_s"]  # the replay is part of what compressing costs
     session.finish_replay()

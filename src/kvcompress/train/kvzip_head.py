@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from ..demo import haystack_text
 from ..hf.cache import CompressedCache
 from ..methods.kvzip import CALIBRATED, write_head_scores
-from ..models import model_facts
+from ..models import cache_kwargs, model_facts
 
 CALIBRATION_TOKENS = 2048  # tokens of calibration text (the built-in tasks of the embedded model sit at 1-2k)
 REPLAY_CHUNK = 2048  # KVzip's replay chunk (the kvzip scorer's default)
@@ -74,7 +74,7 @@ def calibrate_head_scores(model, tokenizer=None, *, text: str | None = None, tok
                              f"{limit} positions; give fewer tokens (tokens={max(1, (limit - 64) // 2 - start)} at most)")
         cache = CompressedCache(model, compress_on_prefill=False, replay=chunk, tokenizer=tokenizer)
         device = next(model.parameters()).device
-        model(torch.tensor([ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(torch.tensor([ids], device=device), **cache_kwargs(cache), logits_to_keep=1)
         per_layer = [layer.observations["replay_scores"][0, :, start:len(ids)].amax(dim=-1) for layer in cache.session.layers]
         scores = torch.stack(per_layer).float().cpu()
         cache.release()
