@@ -361,8 +361,10 @@ class Session:
     def written(self, layer_idx: int) -> None:
         """A decoding step's keys and values of a layer are in the pool where ``begin_step`` recorded them: the
         page bounds follow (Quest), then ``code_due``."""
-        self.table.written(self.pool, self.rows(layer_idx))
-        self.code_due(layer_idx)
+        if self.table.page_size:
+            self.table.written(self.pool, self.rows(layer_idx))
+        if self.code_tier:
+            self.code_due(layer_idx)
 
     def code_due(self, layer_idx: int) -> None:
         """Code a layer's oldest plain entries (coded storage) once a chunk's worth has come since the last time."""
