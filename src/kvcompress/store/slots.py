@@ -449,20 +449,25 @@ class SlotTable:
         """One view over rows of several tables (the engine's running requests), [Σ r, H, L]: ``parts``
         are (table, rows, summary). Heads are padded to the longest of all; log-weights where a table has
         them (0 elsewhere); each part's summary applies to its own rows."""
-        spans = [table.span(rows) for table, rows, _ in parts]
-        longest = max(span[0] for span in spans)
         tables = [(table, _all(rows)) for table, rows, _ in parts]
         lengths = torch.cat([table.lengths[rows] for table, rows in tables])
+        sizes = lengths.view(-1).tolist()  # every head's length, read once (not a span per part)
+        longest = max(sizes, default=0)
+        spans, start = [], 0  # each part's longest head, for the padded forms below
+        for table, rows in tables:
+            count = len(range(*rows.indices(table.num_rows))) * lengths.shape[1]
+            spans.append(max(sizes[start : start + count], default=0))
+            start += count
 
         @functools.cache
         def ids() -> torch.Tensor:  # the joint (slot, position) table, made only for a read that is not in place
-            return torch.cat([_padded(table.ids[rows, :, : span[0]], longest, PAD_IDS) for (table, rows), span in zip(tables, spans)])
+            return torch.cat([_padded(table.ids[rows, :, :span], longest, PAD_IDS) for (table, rows), span in zip(tables, spans)])
 
         def log_weights() -> torch.Tensor | None:
             if not any(table.LOG_WEIGHTS in table.columns for table, _ in tables):
                 return None
             return torch.cat([
-                _padded(table.weights[rows, :, : span[0], table.columns.index(table.LOG_WEIGHTS)], longest, 0.0)
+                _padded(table.weights[rows, :, :span, table.columns.index(table.LOG_WEIGHTS)], longest, 0.0)
                 if table.LOG_WEIGHTS in table.columns else torch.zeros(*table.ids[rows].shape[:2], longest, device=table.device)
                 for (table, rows), span in zip(tables, spans)
             ])
@@ -477,7 +482,7 @@ class SlotTable:
             lambda: ids()[..., 1].long(),
             lengths,
             shape=(lengths.shape[0], lengths.shape[1], longest),
-            uniform=all(span == (longest, True) for span in spans),
+            uniform=all(n == longest for n in sizes),
             load=load,
             log_weights=log_weights,
             summary=None if all(s is None for s in summaries) else RowSummaries(summaries, [table.ids[rows].shape[0] for table, rows in tables]),
