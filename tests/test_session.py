@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from common import layers_of, left_padded_batch, tiny_model
 from kvcompress import CompressedCache, get_method
 from kvcompress.session import Session
-from kvcompress.store.slots import SlotPool
+from kvcompress.store.slots import PoolExhausted, SlotPool
 
 
 def _ids(n, seed=1):
@@ -155,3 +155,36 @@ def test_a_chunked_prefill_refuses_what_it_cannot_extend():
     with pytest.raises(ValueError, match="one unpadded row"):
         Session(get_method("full"), SlotPool(8), num_layers=1, num_kv_heads=1).prefill(
             0, x, x, x, torch.arange(4)[None], 8**-0.5, token_valid=torch.tensor([[False, True, True, True]]), final=False)
+
+
+def test_begin_step_records_a_slot_per_layer_and_head_at_the_step_position():
+    """The engine's step: every layer gains one entry per KV head at the position, in the slots returned (the keys
+    are written there afterwards); a session of several rows is refused, and a pool without room leaves nothing."""
+    model = tiny_model(layers=3)
+    cache = CompressedCache(model, get_method("snapkv", budget=12, window=4))
+    model(_ids(40), past_key_values=cache)
+    session = cache.session
+    before = session.table.lengths.clone()
+    used, reads = session.pool.num_used, list(session.reads)
+    slots = session.begin_step(40)
+    assert slots.shape == (3, session.num_kv_heads) and session.pool.num_used == used + slots.numel()
+    assert torch.equal(session.table.lengths, before + 1)
+    for layer in range(3):
+        view = session.view(layer)
+        last = view.lengths[0] - 1  # [H]: each head's newest entry
+        assert torch.equal(view.positions[0].gather(-1, last[:, None])[:, 0], torch.full((session.num_kv_heads,), 40))
+        assert torch.equal(session.table.ids[layer, :, :, 0].gather(-1, last[:, None].to(torch.long))[:, 0].long(), slots[layer])
+    assert session.reads[0] == reads[0] + int(session.table.lengths.sum())  # SnapKV only reads: counted here
+    batch = CompressedCache(model, get_method("snapkv", budget=12, window=4))
+    model(torch.cat([_ids(40), _ids(40, seed=2)]), past_key_values=batch)
+    with pytest.raises(ValueError, match="one request"):
+        batch.session.begin_step(40)
+    fixed = SlotPool(session.pool.head_dim, capacity=1000)
+    full = CompressedCache(model, get_method("snapkv", budget=12, window=4), pool=fixed)
+    model(_ids(40), past_key_values=full)
+    filler = fixed.allocate(fixed.capacity - fixed.num_used)  # no room left
+    lengths, used = full.session.table.lengths.clone(), fixed.num_used
+    with pytest.raises(PoolExhausted):
+        full.session.begin_step(40)
+    assert torch.equal(full.session.table.lengths, lengths) and fixed.num_used == used
+    fixed.release(filler)
