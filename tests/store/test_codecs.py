@@ -24,7 +24,7 @@ def _exact_step(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(bits=st.sampled_from([2, 4]), group=st.sampled_from([1, 2, 4, 8]), blocks=st.integers(1, 3),
+@given(bits=st.sampled_from([2, 4]), group=st.sampled_from([4, 8, 12]), blocks=st.integers(1, 3),
        scale=st.sampled_from([1e-3, 1.0, 30.0]), param=st.sampled_from([torch.float16, torch.bfloat16]),
        seed=st.integers(0, 10**6))
 def test_kivi_round_trip_error_is_within_half_a_step_per_group(bits, group, blocks, scale, param, seed):

@@ -37,7 +37,7 @@ class KIVI(Storage):
     def __post_init__(self) -> None:
         if not isinstance(self.residual, int) or isinstance(self.residual, bool) or self.residual < 0:
             raise ValueError(f"kivi's residual must be a whole number of entries ≥ 0, got {self.residual!r}")
-        self.storage(torch.float32)  # checks bits and group_size
+        self.storage(torch.float32)[0].check_block()  # checks bits and group_size
 
     def storage(self, dtype: torch.dtype) -> tuple[KiviCodec, int]:
         """KIVI's codec (zero points and scales in bfloat16 for a bf16 model, else float16) and its residual."""

@@ -6,7 +6,8 @@ names). A program reads one split of ``SPLIT`` entries of one (row, KV head) in 
 loads the slots, then the keys and values they name straight from the pool, and keeps an online softmax
 for the head's GQA group in float32 (flash-decoding); the splits are merged by log-sum-exp afterwards. Entries of
 the KIVI tier (``KIVI``: its tier, bits, block and channel group as constants) are unpacked and dequantised where
-they are loaded: key = zero + code · scale per channel (the block's), value the same per channel group (the entry's).
+they are loaded: key = zero + code · scale per channel (the block's; its codes laid out channel by channel across the
+block's entries), value the same per channel group (the entry's).
 """
 
 from __future__ import annotations
@@ -35,6 +36,24 @@ def _dequantised(codes, zero, scale, entry, param, seen, dims, in_dim, DIM: tl.c
     where = param[:, None] * PARAM_ROW + dims[None, :] // CHANNELS_PER_PARAM
     z = tl.load(zero + where, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(scale + where, mask=mask, other=0.0).to(tl.float32)
+    return z + code.to(tl.float32) * s
+
+
+@triton.jit
+def _dequantised_keys(codes, zero, scale, entry, block, seen, dims, in_dim, DIM: tl.constexpr, BITS: tl.constexpr,
+                      GROUP: tl.constexpr):
+    """zero + code · scale of coded keys [BLOCK, DIM_PAD] (float32; 0 where not ``seen``): a block's key codes lie
+    channel by channel across its GROUP entries (``GROUP · BITS / 8`` bytes a channel); zero points and scales per
+    channel of the block."""
+    per: tl.constexpr = 8 // BITS
+    mask = seen[:, None] & in_dim[None, :]
+    offset = entry % GROUP
+    where = block[:, None] * (DIM * (GROUP // per)) + dims[None, :] * (GROUP // per) + (offset // per)[:, None]
+    packed = tl.load(codes + where, mask=mask, other=0).to(tl.int32)
+    code = (packed >> ((offset % per)[:, None] * BITS).to(tl.int32)) & ((1 << BITS) - 1)
+    params = block[:, None] * DIM + dims[None, :]
+    z = tl.load(zero + params, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale + params, mask=mask, other=0.0).to(tl.float32)
     return z + code.to(tl.float32) * s
 
 
@@ -73,7 +92,7 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
             entry = (slot & ENTRY_MASK).to(tl.int64)
             block = entry // KIVI_GROUP
             coded = inside & ((slot >> TIER_SHIFT) == KIVI_TIER) & (block > 0) & (block < kivi_blocks)
-            k += _dequantised(key_codes, key_zero, key_scale, entry, block, coded, dims, in_dim, DIM, BITS, DIM, 1)
+            k += _dequantised_keys(key_codes, key_zero, key_scale, entry, block, coded, dims, in_dim, DIM, BITS, KIVI_GROUP)
             v += _dequantised(value_codes, value_zero, value_scale, entry, entry, coded, dims, in_dim, DIM, BITS,
                               DIM // CHANNEL_GROUP, CHANNEL_GROUP)
             seen = plain | coded

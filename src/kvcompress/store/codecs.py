@@ -124,24 +124,32 @@ class KiviCodec:
     def fields(self, head_dim: int, dtype: torch.dtype) -> Fields:
         if head_dim * self.bits % 8:
             raise ValueError(f"kivi packs {8 // self.bits} codes to a byte: head_dim {head_dim} does not divide")
+        self.check_block()
         packed, g, p = head_dim * self.bits // 8, self.block_size, self.param_dtype
         value_groups = head_dim // self.channel_group(head_dim)
-        return {
-            "key_codes": ((g, packed), torch.uint8), "key_zero": ((head_dim,), p), "key_scale": ((head_dim,), p),
+        return {  # key codes channel by channel across the block's entries: a block's logits in one pass over the channels
+            "key_codes": ((head_dim, g * self.bits // 8), torch.uint8), "key_zero": ((head_dim,), p), "key_scale": ((head_dim,), p),
             "value_codes": ((g, packed), torch.uint8), "value_zero": ((g, value_groups), p), "value_scale": ((g, value_groups), p),
         }
+
+    def check_block(self) -> None:
+        """A block's codes of a key channel fill whole bytes (group_size a multiple of 8 / bits)."""
+        if self.block_size * self.bits % 8:
+            raise ValueError(f"kivi packs a channel's {self.bits}-bit key codes of a block into whole bytes: group_size must "
+                             f"be a multiple of {8 // self.bits}, got {self.block_size}")
 
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> float:
         return field_bytes(self.fields(head_dim, dtype)) / self.block_size
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.check_block()
         n, g, d = keys.shape
         key_codes, key_zero, key_scale = self.quantize(keys.float(), dim=1)  # per channel over the block's entries
         c = self.channel_group(d)
         grouped = values.float().view(n, g, d // c, c)
         value_codes, value_zero, value_scale = self.quantize(grouped, dim=3)  # per entry over channel groups
         return {
-            "key_codes": pack(key_codes, self.bits), "key_zero": key_zero.squeeze(1), "key_scale": key_scale.squeeze(1),
+            "key_codes": pack(key_codes.transpose(1, 2).contiguous(), self.bits), "key_zero": key_zero.squeeze(1), "key_scale": key_scale.squeeze(1),
             "value_codes": pack(value_codes.view(n, g, d), self.bits),
             "value_zero": value_zero.squeeze(3), "value_scale": value_scale.squeeze(3),
         }
@@ -163,7 +171,9 @@ class KiviCodec:
             array = arrays[name]
             return array.view(-1, *array.shape[2:]).index_select(0, entries)
 
-        key_codes = unpack(rows("key_codes"), self.bits, torch.float32)
+        offsets, per = entries % self.block_size, 8 // self.bits
+        key_bytes = arrays["key_codes"][blocks, :, offsets // per]  # [n, d]: each channel's byte holding the entry
+        key_codes = ((key_bytes >> ((offsets % per) * self.bits).to(torch.uint8)[:, None]) & self.levels).float()
         keys = torch.addcmul(arrays["key_zero"].index_select(0, blocks).float(), key_codes,
                              arrays["key_scale"].index_select(0, blocks).float())
         value_codes = unpack(rows("value_codes"), self.bits, torch.float32)

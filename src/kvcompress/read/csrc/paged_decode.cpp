@@ -47,8 +47,8 @@ enum class Param { f16, bf16, f32 };
 
 struct Kivi {
   int64_t shift = 0, mask = 0;
-  int64_t tier = 0, bits = 0, group = 0, channel_group = 0, blocks = 0, packed = 0, value_groups = 0;
-  const uint8_t* key_codes = nullptr;    // [blocks, group, packed]
+  int64_t tier = 0, bits = 0, group = 0, channel_group = 0, blocks = 0, packed = 0, value_groups = 0, key_packed = 0;
+  const uint8_t* key_codes = nullptr;    // [blocks, d, key_packed]: each channel's codes across the block's entries
   const uint8_t* value_codes = nullptr;  // [blocks, group, packed]
   const void* key_zero = nullptr;        // [blocks, d]
   const void* key_scale = nullptr;       // [blocks, d]
@@ -213,6 +213,43 @@ inline void accumulate_values(float* acc, const float* probs, int64_t groups, co
   }
 }
 
+// dots[g · G + e] = Σ_c scaled[g · d + c] · code(e, c) for every entry e of a KIVI block and the G queries of a group:
+// one pass over the channels, each channel's codes of the block's entries unpacked at once (the keys' codes are laid
+// out channel by channel), the sums of four queries in registers; no horizontal sum per entry.
+template <int64_t G>
+void block_dots_fixed(const Kivi& kivi, const uint8_t* codes, const float* scaled, int64_t groups, int64_t d, float* dots) {
+  float unpacked[G];
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+    const int64_t n = std::min<int64_t>(4, groups - g0);
+    float sums[4][G] = {};
+    for (int64_t c = 0; c < d; ++c) {
+      unpack(kivi, codes + c * kivi.key_packed, unpacked, G);
+      for (int64_t g = 0; g < n; ++g) {
+        const float s = scaled[(g0 + g) * d + c];
+#pragma omp simd
+        for (int64_t e = 0; e < G; ++e) sums[g][e] += s * unpacked[e];
+      }
+    }
+    for (int64_t g = 0; g < n; ++g) std::memcpy(dots + (g0 + g) * G, sums[g], sizeof(sums[g]));
+  }
+}
+
+void block_dots(const Kivi& kivi, int64_t block, const float* scaled, int64_t groups, int64_t d, float* dots, float* unpacked) {
+  const uint8_t* codes = kivi.key_codes + block * d * kivi.key_packed;
+  if (kivi.group == 32) return block_dots_fixed<32>(kivi, codes, scaled, groups, d, dots);
+  const int64_t size = kivi.group;
+  std::fill(dots, dots + groups * size, 0.f);
+  for (int64_t c = 0; c < d; ++c) {
+    unpack(kivi, codes + c * kivi.key_packed, unpacked, size);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = scaled[g * d + c];
+      float* out = dots + g * size;
+#pragma omp simd
+      for (int64_t e = 0; e < size; ++e) out[e] += s * unpacked[e];
+    }
+  }
+}
+
 // The entries of one block of a head, sorted out: kind 0 = a hole (skipped), 1 = a plain slot, 2 = a KIVI-coded
 // entry; where = the slot, or the entry's place in its tier.
 enum Kind : uint8_t { HOLE = 0, PLAIN = 1, CODED = 2 };
@@ -243,6 +280,7 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
   std::vector<float> logits(groups * BLOCK);
   std::vector<float> scaled(kivi.tier ? groups * d : 0), offset(kivi.tier ? groups : 0), row(kivi.tier ? d : 0), zero(kivi.tier ? d : 0);
   std::vector<float> decoded(kivi.tier ? BLOCK * d : 0);  // a block's coded values, decoded
+  std::vector<float> dots(kivi.tier ? groups * kivi.group : 0), unpacked(kivi.tier ? kivi.group : 0);  // a KIVI block's q · codes
   int64_t where[BLOCK];
   Kind kind[BLOCK];
   int64_t coded_block = -1;  // the block whose q ⊙ s and q · z are in `scaled` and `offset`
@@ -264,7 +302,7 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
         group_dots(q, groups, key, d, bias, logits.data() + i);
       } else if (kind[i] == CODED) {
         const int64_t block = where[i] / kivi.group;
-        if (block != coded_block) {  // q ⊙ s and q · z of this block's keys
+        if (block != coded_block) {  // q · z, q ⊙ s and then (q ⊙ s) · codes of every entry of this block
           coded_block = block;
           params(kivi.key_zero, block * d, d, kivi.param, zero.data());
           params(kivi.key_scale, block * d, d, kivi.param, row.data());
@@ -273,10 +311,10 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
 #pragma omp simd
             for (int64_t c = 0; c < d; ++c) scaled[g * d + c] = q[g * d + c] * row[c];
           }
+          block_dots(kivi, block, scaled.data(), groups, d, dots.data(), unpacked.data());
         }
-        unpack(kivi, kivi.key_codes + where[i] * kivi.packed, row.data(), d);
-        group_dots(scaled.data(), groups, row.data(), d, bias, logits.data() + i);
-        for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] += offset[g];
+        const int64_t entry = where[i] % kivi.group;
+        for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] = dots[g * kivi.group + entry] + offset[g] + bias;
       } else {
         for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] = NEG_INF;
       }
@@ -419,9 +457,12 @@ Kivi kivi_tier(int64_t tier_shift, const std::vector<int64_t>& spec, const std::
   const at::Tensor &value_codes = arrays[3], &value_zero = arrays[4], &value_scale = arrays[5];
   kivi.blocks = key_codes.size(0), kivi.packed = d * kivi.bits / 8, kivi.value_groups = d / kivi.channel_group;
   for (const at::Tensor& t : arrays) TORCH_CHECK(t.is_contiguous() && t.size(0) == kivi.blocks, "kivi: contiguous arrays, a row per block");
+  TORCH_CHECK(kivi.group * kivi.bits % 8 == 0, "kivi: a block's codes of a key channel fill whole bytes (group · bits a multiple of 8)");
+  kivi.key_packed = kivi.group * kivi.bits / 8;
   TORCH_CHECK(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte &&
-                  key_codes.sizes() == at::IntArrayRef({kivi.blocks, kivi.group, kivi.packed}) && value_codes.sizes() == key_codes.sizes(),
-              "kivi: uint8 codes [blocks, group, d * bits / 8]");
+                  key_codes.sizes() == at::IntArrayRef({kivi.blocks, d, kivi.key_packed}) &&
+                  value_codes.sizes() == at::IntArrayRef({kivi.blocks, kivi.group, kivi.packed}),
+              "kivi: uint8 key codes [blocks, d, group * bits / 8] and value codes [blocks, group, d * bits / 8]");
   TORCH_CHECK(key_zero.sizes() == at::IntArrayRef({kivi.blocks, d}) && key_scale.sizes() == key_zero.sizes() &&
                   value_zero.sizes() == at::IntArrayRef({kivi.blocks, kivi.group, kivi.value_groups}) && value_scale.sizes() == value_zero.sizes(),
               "kivi: key zero points and scales [blocks, d], value ones [blocks, group, d / channel group]");
