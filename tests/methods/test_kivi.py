@@ -104,6 +104,9 @@ def test_bad_codecs_fail_clearly():
         get_method("kivi", bits=3)
     with pytest.raises(ValueError, match="residual"):
         get_method("kivi", residual=-1)
+    with pytest.raises(ValueError, match="group_size must be a multiple of 4, got 6"):  # 2-bit key codes: 4 to a byte
+        get_method("kivi", group_size=6)
+    assert get_method("kivi:bits=4", group_size=6).storage.group_size == 6  # 4-bit key codes: 2 to a byte
     with pytest.raises(ValueError, match="2 or 4 bits"):
         get_method("snapkv+kivi:bits=3", ratio=0.5)
     with pytest.raises(ValueError, match="option bits='four' must be a whole number"):
