@@ -302,18 +302,26 @@ class Session:
         select = None
         if self.method.selects:
             select = self.method.select(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions))
-        self.reads[0] += int(self.lengths(layer_idx).sum()) if select is None else int((select >= 0).sum())
-        self.reads[1] += int(self.layers[layer_idx].tokens_seen.sum()) * self.num_kv_heads
+        self._count_reads(int(self.lengths(layer_idx).sum()) if select is None else int((select >= 0).sum()), [layer_idx])
         return select
+
+    def _count_reads(self, read: int, layers: list[int]) -> None:
+        """A decoding step's ``read`` entries over ``layers``, beside what a full cache would have read there (``cr``)."""
+        self.reads[0] += read
+        self.reads[1] += int(torch.cat([self.layers[i].tokens_seen for i in layers]).sum()) * self.num_kv_heads
+
+    def _count_tokens(self, layers: list[LayerState], count: int) -> None:
+        """``count`` more tokens of a decoding step in ``layers`` (columns, real tokens, not yet coded)."""
+        for layer in layers:
+            layer.seen += count
+            layer.tokens_seen = layer.tokens_seen + count
+            layer.uncoded += count
 
     def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place."""
         self._start_step(layer_idx)
         self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
-        layer = self.layers[layer_idx]
-        layer.seen += key.shape[2]
-        layer.tokens_seen = layer.tokens_seen + key.shape[2]
-        layer.uncoded += key.shape[2]
+        self._count_tokens([self.layers[layer_idx]], key.shape[2])
         self.code_due(layer_idx)
 
     def begin_step(self, position: int) -> torch.Tensor:
@@ -333,13 +341,9 @@ class Session:
         except BaseException:
             self.pool.release(slots.reshape(-1))  # not recorded: nothing holds them
             raise
-        for layer in self.layers:
-            layer.seen += 1
-            layer.tokens_seen = layer.tokens_seen + 1
-            layer.uncoded += 1
+        self._count_tokens(self.layers, 1)
         if not self.acts_per_layer:
-            self.reads[0] += self.table.num_entries()
-            self.reads[1] += int(torch.cat([layer.tokens_seen for layer in self.layers]).sum()) * heads
+            self._count_reads(self.table.num_entries(), list(range(self.num_layers)))
         return slots
 
     @property
@@ -363,8 +367,7 @@ class Session:
         page bounds follow (Quest), then ``code_due``."""
         if self.table.page_size:
             self.table.written(self.pool, self.rows(layer_idx))
-        if self.code_tier:
-            self.code_due(layer_idx)
+        self.code_due(layer_idx)
 
     def code_due(self, layer_idx: int) -> None:
         """Code a layer's oldest plain entries (coded storage) once a chunk's worth has come since the last time."""

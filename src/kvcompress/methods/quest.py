@@ -92,7 +92,8 @@ class Quest(Reads):
         # pages in budget: what the protected entries leave, in whole pages (at least one)
         count = torch.clamp((budget.to(device)[:, None] - protected).clamp(min=0) // size, min=1)
         best, chosen = bound.sort(dim=-1, descending=True, stable=True)  # ties: the earlier page first
-        best, chosen = best[..., : int(count.max())], chosen[..., : int(count.max())]  # [B, H, k]
+        k = int(count.max())
+        best, chosen = best[..., :k], chosen[..., :k]  # [B, H, k]
         taken = (torch.arange(chosen.shape[-1], device=device) < count[..., None]) & (best > float("-inf"))
         columns = (chosen[..., None] * size + torch.arange(size, device=device)).flatten(-2)  # [B, H, k · size]
         inside = taken.repeat_interleave(size, dim=-1) & (columns >= self.sinks) & (columns < lengths - self.recent)

@@ -25,14 +25,9 @@ BLOCK = 64
 
 
 @triton.jit
-def _dequantised(codes, zero, scale, entry, param, seen, dims, in_dim, DIM: tl.constexpr, BITS: tl.constexpr, PARAM_ROW: tl.constexpr,
-                 CHANNELS_PER_PARAM: tl.constexpr):
-    """zero + code · scale of coded entries [BLOCK, DIM_PAD] (float32; 0 where not ``seen``): the codes of ``entry``,
-    the zero points and scales of row ``param`` (the block, or the entry) at channel // CHANNELS_PER_PARAM."""
-    per: tl.constexpr = 8 // BITS
-    mask = seen[:, None] & in_dim[None, :]
-    packed = tl.load(codes + entry[:, None] * (DIM // per) + dims[None, :] // per, mask=mask, other=0).to(tl.int32)
-    code = (packed >> ((dims[None, :] % per) * BITS)) & ((1 << BITS) - 1)
+def _dequantised(code, zero, scale, param, mask, dims, PARAM_ROW: tl.constexpr, CHANNELS_PER_PARAM: tl.constexpr):
+    """zero + code · scale [BLOCK, DIM_PAD] (float32; 0 outside ``mask``): the zero points and scales of row ``param``
+    (the block, or the entry) at channel // CHANNELS_PER_PARAM."""
     where = param[:, None] * PARAM_ROW + dims[None, :] // CHANNELS_PER_PARAM
     z = tl.load(zero + where, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(scale + where, mask=mask, other=0.0).to(tl.float32)
@@ -40,21 +35,22 @@ def _dequantised(codes, zero, scale, entry, param, seen, dims, in_dim, DIM: tl.c
 
 
 @triton.jit
-def _dequantised_keys(codes, zero, scale, entry, block, seen, dims, in_dim, DIM: tl.constexpr, BITS: tl.constexpr,
-                      GROUP: tl.constexpr):
-    """zero + code · scale of coded keys [BLOCK, DIM_PAD] (float32; 0 where not ``seen``): a block's key codes lie
-    channel by channel across its GROUP entries (``GROUP · BITS / 8`` bytes a channel); zero points and scales per
-    channel of the block."""
+def _value_codes(codes, entry, mask, dims, DIM: tl.constexpr, BITS: tl.constexpr):
+    """The codes [BLOCK, DIM_PAD] of coded values: an entry's codes in a row (``DIM · BITS / 8`` bytes)."""
     per: tl.constexpr = 8 // BITS
-    mask = seen[:, None] & in_dim[None, :]
+    packed = tl.load(codes + entry[:, None] * (DIM // per) + dims[None, :] // per, mask=mask, other=0).to(tl.int32)
+    return (packed >> ((dims[None, :] % per) * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _key_codes(codes, entry, block, mask, dims, DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """The codes [BLOCK, DIM_PAD] of coded keys: a block's key codes lie channel by channel across its GROUP
+    entries (``GROUP · BITS / 8`` bytes a channel)."""
+    per: tl.constexpr = 8 // BITS
     offset = entry % GROUP
     where = block[:, None] * (DIM * (GROUP // per)) + dims[None, :] * (GROUP // per) + (offset // per)[:, None]
     packed = tl.load(codes + where, mask=mask, other=0).to(tl.int32)
-    code = (packed >> ((offset % per)[:, None] * BITS).to(tl.int32)) & ((1 << BITS) - 1)
-    params = block[:, None] * DIM + dims[None, :]
-    z = tl.load(zero + params, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(scale + params, mask=mask, other=0.0).to(tl.float32)
-    return z + code.to(tl.float32) * s
+    return (packed >> ((offset % per)[:, None] * BITS).to(tl.int32)) & ((1 << BITS) - 1)
 
 
 @triton.jit
@@ -92,8 +88,10 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
             entry = (slot & ENTRY_MASK).to(tl.int64)
             block = entry // KIVI_GROUP
             coded = inside & ((slot >> TIER_SHIFT) == KIVI_TIER) & (block > 0) & (block < kivi_blocks)
-            k += _dequantised_keys(key_codes, key_zero, key_scale, entry, block, coded, dims, in_dim, DIM, BITS, KIVI_GROUP)
-            v += _dequantised(value_codes, value_zero, value_scale, entry, entry, coded, dims, in_dim, DIM, BITS,
+            mask = coded[:, None] & in_dim[None, :]
+            k += _dequantised(_key_codes(key_codes, entry, block, mask, dims, DIM, BITS, KIVI_GROUP), key_zero, key_scale,
+                              block, mask, dims, DIM, 1)
+            v += _dequantised(_value_codes(value_codes, entry, mask, dims, DIM, BITS), value_zero, value_scale, entry, mask, dims,
                               DIM // CHANNEL_GROUP, CHANNEL_GROUP)
             seen = plain | coded
         logits = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GROUPS_PAD, BLOCK]

@@ -540,11 +540,8 @@ class SlotTable:
             return
         rows = _all(rows)
         before = self.lengths[rows] - 1
-        if self._pages_hold(int(before.max()) + 1):
-            last = self.ids[rows, :, :, 0].gather(2, before.to(self.device)[..., None].long())[..., 0]  # [r, H]
-            self._extend_pages(pool, rows, before, last)
-        else:
-            self._refresh_pages(pool, rows, int(before.min()))
+        last = self.ids[rows, :, :, 0].gather(2, before.to(self.device)[..., None].long())[..., 0]  # [r, H]
+        self._pages_after_one(pool, rows, before, last)
 
     def _record(self, pool: SlotPool, ids: torch.Tensor, added: torch.Tensor | None, weights: torch.Tensor | None,
                 rows: slice, pages: bool = True) -> None:
@@ -566,18 +563,22 @@ class SlotTable:
             if self.weights is not None:
                 source = torch.zeros(r, h, q, len(self.columns), device=self.device) if weights is None else weights
                 _scatter_rows(self.weights[rows], index, source, mask)
-        before = self.lengths[rows].clone()
+        before = self.lengths[rows].clone() if self.page_size else None  # only page bounds need it
         self.lengths[rows] += q if added is None else added
-        if not pages:
+        if not (pages and self.page_size and before.numel()):
             return
-        if q == 1 and added is None and self._pages_hold(int(before.max()) + 1 if before.numel() else 0):
-            self._extend_pages(pool, rows, before, ids[..., 0, 0])
+        if q == 1 and added is None:
+            self._pages_after_one(pool, rows, before, ids[..., 0, 0])
         else:
-            self._refresh_pages(pool, rows, int(before.min()) if before.numel() else 0)
+            self._refresh_pages(pool, rows, int(before.min()))
 
-    def _pages_hold(self, entries: int) -> bool:
-        """Whether page bounds are kept and already have room for heads of ``entries`` entries."""
-        return self.page_bounds is not None and self.page_bounds.shape[2] * self.page_size >= entries
+    def _pages_after_one(self, pool: SlotPool, rows: slice, before: torch.Tensor, slots: torch.Tensor) -> None:
+        """The page bounds of ``rows`` after one entry per head (``slots`` [r, H]) came after their ``before`` [r, H]
+        entries: widened by its key where the bounds have room for it, else recomputed from its page on."""
+        if self.page_bounds is not None and self.page_bounds.shape[2] * self.page_size > int(before.max()):
+            self._extend_pages(pool, rows, before, slots)
+        else:
+            self._refresh_pages(pool, rows, int(before.min()))
 
     def _extend_pages(self, pool: SlotPool, rows: slice, before: torch.Tensor, slots: torch.Tensor) -> None:
         """The page bounds after one entry per head (``slots`` [r, H]) was put after the ``before`` [r, H] entries

@@ -283,7 +283,7 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
   std::vector<float> dots(kivi.tier ? groups * kivi.group : 0), unpacked(kivi.tier ? kivi.group : 0);  // a KIVI block's q · codes
   int64_t where[BLOCK];
   Kind kind[BLOCK];
-  int64_t coded_block = -1;  // the block whose q ⊙ s and q · z are in `scaled` and `offset`
+  int64_t coded_block = -1;  // the block whose q ⊙ s, q · z and (q ⊙ s) · codes are in `scaled`, `offset` and `dots`
   for (int64_t g = 0; g < groups; ++g) {
     m[g] = NEG_INF;
     l[g] = 0.f;
