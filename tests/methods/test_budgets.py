@@ -1,13 +1,19 @@
 """Budget arithmetic shared by the score-based methods: chunks, pyramid layers, Ada-KV heads."""
 
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import random_layer
 from kvcompress import get_method
 from kvcompress.methods.selection import (
+    PROTECTED_PRIORITY,
     adaptive_head_budgets,
     chunk_average,
+    global_sizes,
     priority,
     pyramid_layer_budgets,
     round_preserving_sum,
@@ -91,3 +97,41 @@ def test_protected_entries_rank_first_most_recent_first():
     key = priority(scores, protected, torch.arange(4).view(1, 1, 4), None)
     assert top_per_head(key, torch.tensor([[1]]))[0, 0].tolist() == [False, False, False, True]
     assert top_per_head(key, torch.tensor([[3]]))[0, 0].tolist() == [True, False, True, True]
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 4), rows=st.integers(1, 3), heads=st.integers(1, 3), length=st.integers(1, 12),
+       total=st.integers(0, 150), seed=st.integers(0, 2**16))
+def test_global_sizes_count_each_heads_share_of_the_rows_best(layers, rows, heads, length, total, seed):
+    """One budget over every layer and head, against a plain sort of every open key: a head's size is how many
+    of the row's ``total`` best unprotected entries it holds (the few-losers path and the few-winners path)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = []
+    for key in torch.randperm(layers * rows * heads * length, generator=gen).double().view(layers, rows, heads, length):
+        kind = torch.randint(0, 5, key.shape, generator=gen)
+        keys.append(key.masked_fill(kind == 0, PROTECTED_PRIORITY + 1.0).masked_fill(kind == 1, float("-inf")))
+    totals = torch.full((rows,), total)
+    sizes = global_sizes(keys, totals)
+    for row in range(rows):
+        entries = [(float(k[row, h, i]), layer, h) for layer, k in enumerate(keys) for h in range(heads) for i in range(length)
+                   if math.isfinite(float(k[row, h, i])) and float(k[row, h, i]) < PROTECTED_PRIORITY]
+        best = sorted(entries, reverse=True)[:total]
+        for layer in range(layers):
+            assert sizes[layer][row].tolist() == [sum(1 for _, lay, h in best if (lay, h) == (layer, head)) for head in range(heads)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 3), heads=st.integers(1, 3), length=st.integers(1, 40), levels=st.integers(1, 6),
+       most_drop=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_top_per_head_equals_a_stable_sort(rows, heads, length, levels, most_drop, seed):
+    """Few entries to drop per head (a decoding step's eviction: the lowest are found) or many (a sort), against a
+    stable descending sort: of equal keys the earlier stay; -inf (padding) never."""
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randint(0, levels, (rows, heads, length), generator=gen).double()  # few levels: many ties
+    key = key.masked_fill(torch.rand(key.shape, generator=gen) < 0.2, float("-inf"))
+    finite = torch.isfinite(key).sum(-1)
+    budgets = (finite - torch.randint(0, most_drop + 1, finite.shape, generator=gen)).clamp(min=0)
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length).expand_as(order))
+    expected = (rank < budgets[..., None]) & torch.isfinite(key)
+    assert torch.equal(top_per_head(key, budgets), expected)

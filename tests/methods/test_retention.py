@@ -226,3 +226,11 @@ def test_gates_ship_for_both_built_in_models(name, shapes):
     gates = RetentionGates.load(by_name)
     assert (gates.dims["num_layers"], gates.dims["num_kv_heads"], gates.dims["hidden_size"]) == shapes
     assert json.loads((by_name / "config.json").read_text())["model"] == name
+
+
+def test_every_layers_gates_at_once_equal_each_layers():
+    gates = RetentionGates(LAYERS, HEADS, HIDDEN, width=8, c_init=2.0, seed=4)
+    hidden = torch.randn(LAYERS, 2, 5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    each = torch.stack([gates.log_beta(layer, hidden[layer]) for layer in range(LAYERS)])
+    assert each.shape == (LAYERS, 2, HEADS, 5)
+    torch.testing.assert_close(gates.log_beta(None, hidden), each, rtol=0, atol=1e-6)

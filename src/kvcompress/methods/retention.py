@@ -58,10 +58,14 @@ class RetentionGates(nn.Module):
         layers, heads, width, hidden = self.weight.shape
         return {"num_layers": layers, "num_kv_heads": heads, "hidden_size": hidden, "width": width}
 
-    def log_beta(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """log β [B, H, n] (float32, ≤ 0) of the tokens whose attention input is ``hidden`` [B, n, D]."""
+    def log_beta(self, layer: int | None, hidden: torch.Tensor) -> torch.Tensor:
+        """log β [B, H, n] (float32, ≤ 0) of one layer's tokens whose attention input is ``hidden`` [B, n, D];
+        ``layer=None``: every layer at once, ``hidden`` [L, B, n, D] → [L, B, H, n]."""
         x = hidden.to(self.weight.dtype)
-        e = F.silu(torch.einsum("bnd,hmd->bhnm", x, self.weight[layer]) + self.bias[layer][None, :, None, :])
+        if layer is None:
+            e = F.silu(torch.einsum("lbnd,lhmd->lbhnm", x, self.weight) + self.bias[:, None, :, None, :])
+        else:
+            e = F.silu(torch.einsum("bnd,hmd->bhnm", x, self.weight[layer]) + self.bias[layer][None, :, None, :])
         return F.logsigmoid(e @ self.u + self.c).float()
 
     def save(self, directory: Path | str, **about) -> None:
@@ -93,6 +97,8 @@ def log_retention_score(log_beta: torch.Tensor, age: torch.Tensor, horizon: int)
     ``age`` = t − i ≥ 0. The ratio (1 − β^H)/(1 − β) → H as β → 1; it is computed as
     expm1(H·log β)/expm1(log β), exact there too."""
     lb = log_beta.double().clamp(max=-1e-300)
+    if horizon == 1:  # the ratio is 1
+        return (age.double() + 1) * lb
     ratio = torch.expm1(horizon * lb) / torch.expm1(lb)
     return (age.double() + 1) * lb + torch.log(ratio)
 
@@ -150,8 +156,9 @@ class Retention(Scorer):
                              "with `kvcompress train retention --model M --out DIR` and pass checkpoint=DIR")
         return gates
 
-    def log_beta(self, layer: int, num_layers: int, heads: int, hidden: torch.Tensor) -> torch.Tensor:
-        """log β [B, H, n] of one layer's tokens (attention inputs ``hidden`` [B, n, D])."""
+    def log_beta(self, layer: int | None, num_layers: int, heads: int, hidden: torch.Tensor) -> torch.Tensor:
+        """log β [B, H, n] of one layer's tokens (attention inputs ``hidden`` [B, n, D]); ``layer=None``: every
+        layer's at once ([L, B, n, D] → [L, B, H, n])."""
         with torch.no_grad():
             return self._gates_for(num_layers, heads, hidden.shape[-1]).log_beta(layer, hidden).to(hidden.device)
 
@@ -183,10 +190,11 @@ class Retention(Scorer):
         hidden = context.observations.get("step_hidden")
         if hidden is None:
             raise ValueError("retention needs each step's attention input (the session passes it as step_hidden)")
-        layers, q = context.num_layers, hidden.shape[1]
-        rows = view.shape[0] // layers if context.layer_idx < 0 else view.shape[0]
-        index = [context.layer_idx] if context.layer_idx >= 0 else range(layers)
-        new = torch.cat([self.log_beta(i, layers, view.shape[1], part) for i, part in zip(index, hidden.split(rows))])
+        layers, q, heads = context.num_layers, hidden.shape[1], view.shape[1]
+        if context.layer_idx >= 0:
+            new = self.log_beta(context.layer_idx, layers, heads, hidden)
+        else:  # every layer's new entries (rows l·B + b) through their gates in one product
+            new = self.log_beta(None, layers, heads, hidden.view(layers, -1, *hidden.shape[1:])).flatten(0, 1)
         tail = (view.lengths.to(channel.device)[..., None] - q + torch.arange(q, device=channel.device)).clamp(min=0)
         return channel.scatter(-1, tail, new)
 

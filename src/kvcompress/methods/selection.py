@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -57,10 +58,7 @@ def global_sizes(keys: Sequence[torch.Tensor], totals: torch.Tensor) -> list[tor
     -inf); ``totals`` [B]: entries kept per row beyond the protected ones."""
     open_keys = [k.masked_fill(k >= PROTECTED_PRIORITY, float("-inf")) for k in keys]
     flat = torch.cat([k.reshape(k.shape[0], -1) for k in open_keys], dim=1)  # [B, Σ H·L]
-    winners = torch.zeros_like(flat, dtype=torch.bool)
-    for row in range(flat.shape[0]):
-        take = min(int(totals[row]), int(torch.isfinite(flat[row]).sum()))
-        winners[row, torch.topk(flat[row], take).indices] = True
+    winners = torch.stack([_top_mask(row, int(total)) for row, total in zip(flat, totals)])
     sizes, start = [], 0
     for k in open_keys:
         count = k.shape[1] * k.shape[2]
@@ -69,12 +67,45 @@ def global_sizes(keys: Sequence[torch.Tensor], totals: torch.Tensor) -> list[tor
     return sizes
 
 
+def _top_mask(key: torch.Tensor, take: int) -> torch.Tensor:
+    """bool mask of the ``take`` highest of ``key`` (1-D), never a -inf one (padding, protected). Where most of
+    the finite keys win (a decoding step's re-rank drops a few), the losers are found instead: the smallest of n
+    keys cost less to find than the largest."""
+    finite = torch.isfinite(key).nonzero().squeeze(1)
+    candidates = key[finite]
+    take = min(take, finite.numel())
+    mask = torch.zeros_like(key, dtype=torch.bool)
+    if 2 * take <= finite.numel():
+        return mask.index_fill_(0, finite[torch.topk(candidates, take).indices], True)
+    losers = finite[torch.topk(candidates, finite.numel() - take, largest=False).indices]
+    return mask.index_fill_(0, finite, True).index_fill_(0, losers, False)
+
+
 def top_per_head(key: torch.Tensor, head_budgets: torch.Tensor) -> torch.Tensor:
-    """Keep mask [B, H, L]: the ``head_budgets[b, h]`` entries with the highest key per head."""
+    """Keep mask [B, H, L]: the ``head_budgets[b, h]`` entries with the highest key per head (of equal keys, the
+    earlier ones), never a -inf one."""
+    finite = torch.isfinite(key)
+    drop = (finite.sum(-1) - head_budgets.to(key.device)).clamp(min=0)  # [B, H]
+    most = int(drop.max()) if drop.numel() else 0
+    if 8 * most <= key.shape[-1]:  # a decoding step's eviction drops a few entries per head: find those
+        return finite & ~_lowest_per_head(key.masked_fill(~finite, math.inf), drop, most)
     order = key.argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(key.shape[-1], device=key.device).expand_as(order))
     return (rank < head_budgets[..., None].to(rank.device)) & torch.isfinite(key)
+
+
+def _lowest_per_head(key: torch.Tensor, drop: torch.Tensor, most: int) -> torch.Tensor:
+    """Mask [B, H, L] of the ``drop[b, h]`` (≤ ``most``) lowest keys per head, of equal keys the later ones: what a
+    stable descending sort ranks last."""
+    if most == 0:
+        return torch.zeros_like(key, dtype=torch.bool)
+    lowest = key.topk(most, dim=-1, largest=False).values  # ascending
+    threshold = lowest.gather(-1, (drop - 1).clamp(min=0)[..., None])  # the drop-th lowest
+    below, tied = key < threshold, key == threshold
+    from_tied = (drop - below.sum(-1))[..., None]  # how many of the tied ones go: the last of them
+    tied_from_end = tied.flip(-1).cumsum(-1).flip(-1)
+    return (below | (tied & (tied_from_end <= from_tied))) & (drop > 0)[..., None]
 
 
 def round_preserving_sum(values: torch.Tensor, total: int, cap: torch.Tensor) -> torch.Tensor:

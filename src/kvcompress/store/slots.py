@@ -717,12 +717,11 @@ class SlotTable:
         ids = self.ids[rows, :, :length]
         pool.release(ids[..., 0][valid & ~keep])
         counts = keep.sum(-1)
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., None]  # kept entries first, in order
-        tail = (torch.arange(length, device=self.device) >= counts[..., None])[..., None]
-        ids[...] = torch.where(tail, PAD_IDS.to(self.device), ids.gather(2, order.expand(-1, -1, -1, 2)))
+        place = torch.where(keep, keep.cumsum(-1) - 1, length)[..., None]  # kept entries first, in order; the rest
+        ids[...] = _compacted(ids, place, PAD_IDS.to(self.device))              # to a spare column past the end
         if self.weights is not None:
             weights = self.weights[rows, :, :length]
-            weights[...] = weights.gather(2, order.expand(-1, -1, -1, weights.shape[3])).masked_fill(tail, 0.0)
+            weights[...] = _compacted(weights, place, 0.0)
         self.lengths[rows] = counts.cpu()
         if self.page_size:
             dropped = (valid & ~keep).flatten(0, 1).any(0).nonzero()  # pages before the first drop are unchanged
@@ -845,6 +844,13 @@ def _aligned(flat: torch.Tensor, aligned: torch.Tensor, fill) -> torch.Tensor:
     out[...] = fill
     out[aligned] = flat
     return out
+
+
+def _compacted(array: torch.Tensor, place: torch.Tensor, fill) -> torch.Tensor:
+    """Rows [B, H, L, C] moved to column ``place`` [B, H, L, 1] (L: dropped), ``fill`` where nothing moved to."""
+    out = torch.empty((*array.shape[:2], array.shape[2] + 1, array.shape[3]), dtype=array.dtype, device=array.device)
+    out[...] = fill
+    return out.scatter_(2, place.expand_as(array), array)[:, :, :-1]
 
 
 def _scatter_rows(array: torch.Tensor, index: torch.Tensor, source: torch.Tensor, mask: torch.Tensor | None) -> None:
