@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompress.read import read
+from kvcompress.read import decode_weights, read
 from kvcompress.read.paged import cpu_kernel, paged_decode, paged_decode_torch
 from kvcompress.read.reference import read_reference
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
-from kvcompress.store.view import KiviBlocks, KVView
+from kvcompress.store.view import Edit, KiviBlocks, KVView
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}
 
@@ -179,3 +179,24 @@ def test_a_selection_reads_only_the_chosen_entries_in_place():
     assert torch.allclose(paged.out, reference, atol=1e-5)
     chosen = torch.zeros(2, 2, 40).scatter_add(-1, select.clamp(min=0), sums.masked_fill(select < 0, 0.0))  # back in the view's columns
     assert torch.allclose(paged.col_sums, chosen, atol=1e-5)
+
+
+def test_decode_weights_in_place_equal_the_references():
+    """Each entry's weight for one decoding query (OmniKV's choice): from the in-place read's logits, as the float32
+    reference gives them, over ragged heads with log-weights; 0 on padding, each query head's weights summing to 1."""
+    torch.manual_seed(2)
+    pool, table = SlotPool(16), SlotTable(2, 2)
+    table.append(pool, torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16), torch.arange(30).expand(2, 30))
+    table.retain(pool, torch.rand(2, 2, 30) < 0.7)  # ragged heads
+    table.apply(pool, Edit(log_weights=torch.randn(2, 2, 30).clamp(max=0)))
+    query, positions = torch.randn(2, 6, 1, 16), torch.tensor([[30], [30]])
+    view = table.view(pool)
+    assert view.pages is not None and view.log_weights is not None and view.valid is not None
+    in_place = decode_weights(query, positions, view, 0.25)
+    plain = KVView(view.positions, view.lengths, keys=view.keys, values=view.values, log_weights=view.log_weights)
+    assert plain.pages is None
+    reference = decode_weights(query, positions, plain, 0.25)
+    assert in_place.shape == reference.shape == (2, 2, 3, view.shape[2])
+    torch.testing.assert_close(in_place, reference, atol=1e-6, rtol=1e-5)
+    assert bool((in_place.masked_fill(view.valid[:, :, None], 0.0) == 0).all())
+    torch.testing.assert_close(in_place.sum(-1), torch.ones(2, 2, 3))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from common import tiny_model
 import kvcompress as kvc
 from kvcompress.methods import get_method
-from kvcompress.methods.omnikv import filter_layers
+from kvcompress.methods.omnikv import STEP, filter_layers
 from kvcompress.methods.quest import page_bounds
 from kvcompress.methods.selection import true_columns
 from kvcompress.read import attend_reference, attention_probs, group_queries, read
@@ -78,10 +78,12 @@ def test_quest_bound_is_at_least_every_logit_of_its_page(lengths, page_size, gro
     query = (torch.randn(1, len(lengths), group, 8, generator=gen) * scale).to(dtype)
     bound = page_bounds(query, view.page_bounds)  # [1, H, G, pages]
     logits = torch.einsum("bhgd,bhld->bhgl", query.double(), view.keys.double())
+    magnitude = torch.einsum("bhgd,bhld->bhgl", query.double().abs(), view.keys.double().abs())  # float32's rounding scale
     for h, n in enumerate(lengths):
         for page in range(-(-n // page_size)):
-            best = logits[0, h, :, page * page_size : min(n, (page + 1) * page_size)].amax(-1)
-            assert bool((bound[0, h, :, page].double() >= best - 1e-5 * (1 + best.abs())).all())
+            columns = slice(page * page_size, min(n, (page + 1) * page_size))
+            best, size = logits[0, h, :, columns].amax(-1), magnitude[0, h, :, columns].amax(-1)
+            assert bool((bound[0, h, :, page].double() >= best - 1e-5 * (1 + size)).all())
 
 
 def quest_select(method, lengths, seed=0, page_size=4, tokens=None):
@@ -172,6 +174,26 @@ def test_omnikv_layers_after_a_filter_layer_read_its_top_tokens():
                 for h in range(reader_view.shape[1]):
                     index = select[0, h][select[0, h] >= 0]
                     assert set(reader_view.positions[0, h, index].tolist()) == expected
+
+
+@pytest.mark.parametrize("spec", ["omnikv:budget=20:filters=[1]:sinks=2:recent=4",
+                                  "snapkv:budget=40:window=8+omnikv:read_budget=20:filters=[1]:sinks=2:recent=4"])
+def test_omnikv_layers_reading_one_choice_each_read_their_own_columns_of_it(spec):
+    """The layers after a filter layer read the columns of its chosen tokens; where they hold the same tokens in the
+    same columns (no eviction) they share them, where a compressed prompt left each layer others (SnapKV's) each has
+    its own."""
+    model = tiny_model(layers=5, seed=4)
+    method = get_method(spec)
+    calls = record_selections(method)
+    cache = kvc.CompressedCache(model, method)
+    model.generate(torch.randint(3, 128, (1, 70)), past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    readers = [(view, context, select) for layer, view, context, select in calls if layer >= 2]
+    assert len(readers) == 6
+    for view, context, select in readers:
+        assert torch.equal(select, method.reads.columns(view, context.step[STEP]))
+    steps = [readers[:3], readers[3:]]  # layers 2, 3 and 4 of each step
+    different = [not torch.equal(a[0].positions, b[0].positions) for step in steps for a, b in zip(step, step[1:])]
+    assert any(different) == spec.startswith("snapkv")
 
 
 # ----- cr, compositions, the engine ---------------------------------------------------------------

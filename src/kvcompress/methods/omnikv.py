@@ -19,11 +19,12 @@ from typing import ClassVar
 
 import torch
 
-from ..read import attention_probs, group_queries
+from ..read import decode_weights
 from .parts import Reads
 from .selection import true_columns
 
 STEP = "omnikv_tokens"
+COLUMNS = "omnikv_columns"  # the last layer's (lengths, positions, columns) this step
 
 
 def filter_layers(num_layers: int, reference: tuple[int, ...] = (2, 8, 18), depth: int = 32) -> list[int]:
@@ -66,13 +67,27 @@ class OmniKV(Reads):
     def select(self, policy, view, context) -> torch.Tensor | None:
         filters = self.filter_layers(context.num_layers)
         layer = context.layer_idx
-        budget = policy.read_budgets(context)
-        if layer < filters[0] or bool((budget >= context.tokens_seen).all()):
-            return None  # before the first filter layer, or the budget reads every token: everything
-        if layer in filters:
-            context.step[STEP] = self.choose(view, context, budget)
-            return None  # a filter layer reads everything, then chooses for the layers after it
-        return self.columns(view, context.step[STEP])
+        if layer < filters[0]:
+            return None  # before the first filter layer: everything
+        if layer in filters:  # a filter layer reads everything, then chooses for the layers after it
+            budget = policy.read_budgets(context)
+            reads_all = bool((budget >= context.tokens_seen).all())
+            context.step[STEP] = None if reads_all else self.choose(view, context, budget)
+            context.step.pop(COLUMNS, None)
+            return None
+        if context.step.get(STEP) is None:
+            return None  # the budget reads every token
+        return self.layer_columns(view, context)
+
+    def layer_columns(self, view, context) -> torch.Tensor:
+        """``columns`` of the filter layer's choice for this layer; a layer holding the same tokens in the same
+        columns as the layer before it (no eviction: every layer holds every token) reads the same columns."""
+        held = context.step.get(COLUMNS)
+        if held is not None and torch.equal(held[0], view.lengths) and torch.equal(held[1], view.positions):
+            return held[2]
+        columns = self.columns(view, context.step[STEP])
+        context.step[COLUMNS] = (view.lengths, view.positions, columns)
+        return columns
 
     def protected(self, view) -> torch.Tensor:
         """bool [B, H, L]: the sinks and the most recent entries of each head, always read."""
@@ -85,9 +100,8 @@ class OmniKV(Reads):
         of the rest by the largest attention weight of the step's query over every query head, up to the
         read budget."""
         b, h, length = view.shape
-        query = group_queries(context.query[:, :, -1:], h)
-        probs = attention_probs(query, view.keys, context.scaling, context.query_positions[:, -1:], view.positions, view.valid)
-        score = probs[:, :, :, 0].amax(dim=2)  # [B, H, L]: the best over each KV head's query group
+        weights = decode_weights(context.query[:, :, -1:], context.query_positions[:, -1:], view, context.scaling)
+        score = weights.amax(dim=2)  # [B, H, L]: the best over each KV head's query group
         protected = self.protected(view)
         tokens = int(context.tokens_seen.max())
         positions = view.positions.clamp(max=tokens).reshape(b, -1)  # padding → one spare column

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..store.view import KVView
-from .reference import attend_reference, attend_with_max_weights, attention_probs, group_queries, merge_lse, read_reference
+from .reference import (attend_reference, attend_with_max_weights, attention_probs, group_queries, masked_logits, merge_lse,
+                        read_reference)
 from .sdpa import chunk_attention, merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
 from .paged import paged_decode
 
@@ -67,21 +68,46 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
 def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One decoding query per row [B, Hq, 1, d] over the entries where they live (``view.pages``), the summary
-    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32, the column sums [B, H, L] if asked: each entry's weight,
-    exp(logit − lse) from the logits the read filled in, mean over the GQA group, before the summary merge)."""
-    pages = view.pages
-    keys, values, kivi = pages.arrays()
-    rows, hq, length = query.shape[0], query.shape[1], view.shape[2]
-    scores = torch.full((rows, hq, length), -math.inf, device=query.device) if col_sums else None
-    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi, scores)
+    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32, the column sums [B, H, L] if asked: each entry's weight
+    (``_read_pages``), mean over the GQA group, before the summary merge)."""
+    out, lse, weights = _read_pages(query, view, scaling, col_sums)
     sums = None
     if col_sums:
-        weights = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # exp(-inf) = 0 on holes
+        rows, hq, length = weights.shape
         sums = weights.view(rows, view.shape[1], hq // view.shape[1], length).mean(dim=2)
     out, lse = out[:, :, None], lse[:, :, None]
     if view.summary is not None:
         out, lse = merge_summary(query, out, lse, view.summary, view.shape[1], scaling)
     return out, lse, sums
+
+
+def _read_pages(query: torch.Tensor, view: KVView, scaling: float, weights: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The paged read of one decoding query per row [B, Hq, 1, d], without the summary: out [B, Hq, d], lse [B, Hq]
+    float32 and, if asked, each entry's weight [B, Hq, L]: exp(logit − lse) from the logits the read filled in
+    (0 on holes and padding)."""
+    pages = view.pages
+    keys, values, kivi = pages.arrays()
+    rows, hq, length = query.shape[0], query.shape[1], view.shape[2]
+    scores = torch.full((rows, hq, length), -math.inf, device=query.device) if weights else None
+    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi, scores)
+    if scores is not None:
+        scores = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # exp(-inf) = 0 on holes
+    return out, lse, scores
+
+
+def decode_weights(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float) -> torch.Tensor:
+    """Each entry's attention weight [B, H, G, L] (float32) for one decoding query per row [B, Hq, 1, d] at
+    positions [B, 1], log-weights included, before the summary merge, 0 on padding: from the logits of the read
+    in place where the view's entries live (``view.pages``), else from the float32 reference's."""
+    b, hq, _, _ = query.shape
+    heads, length = view.shape[1], view.shape[2]
+    if view.pages is not None:
+        _, _, weights = _read_pages(query, view, scaling, True)
+        return weights.view(b, heads, hq // heads, length)
+    logits = masked_logits(group_queries(query, heads), view.keys, scaling, query_positions, view.positions, view.valid,
+                           view.log_weights)
+    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)[:, :, :, 0]
 
 
 __all__ = [
@@ -90,6 +116,7 @@ __all__ = [
     "attend_with_max_weights",
     "attention_probs",
     "chunk_attention",
+    "decode_weights",
     "group_queries",
     "merge_lse",
     "prompt_attention",
