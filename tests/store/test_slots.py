@@ -64,12 +64,12 @@ def _check(pool: SlotPool, tables: dict[int, SlotTable], models: dict[int, Model
 
 
 def _check_page_bounds(table: SlotTable, view) -> None:
-    """Each page's bounds are the channel-wise min and max of the keys it holds now (after any appends,
-    evictions and rewrites)."""
+    """Each full page's bounds are the channel-wise min and max of the keys it holds now (after any appends,
+    evictions and rewrites); a head's open page, not yet full, is read whole and needs none."""
     size = table.page_size
     for b, row in enumerate(table.lengths.tolist()):
         for h, n in enumerate(row):
-            for page in range(-(-n // size)):
+            for page in range(n // size):
                 keys = view.keys[b, h, page * size : min(n, (page + 1) * size)]
                 assert torch.equal(table.page_bounds[b, h, page, 0], keys.amin(0))
                 assert torch.equal(table.page_bounds[b, h, page, 1], keys.amax(0))
@@ -239,7 +239,8 @@ def test_a_fixed_pools_coded_tiers_draw_on_its_byte_budget():
        seed=st.integers(0, 10**6))
 def test_entries_recorded_before_their_keys_get_the_page_bounds_of_an_append(lengths, steps, page_size, seed):
     """The engine's step: ``append_slots`` records a slot per head, the key is written there afterwards, then
-    ``written``; the page bounds equal those of appending the same keys (ragged heads, pages that start or fill)."""
+    ``written``; the full pages' bounds equal those of appending the same keys, and the keys' min and max (ragged
+    heads, pages that start or fill)."""
     gen = torch.Generator().manual_seed(seed)
     pool, engine, plain = SlotPool(DIM), SlotTable(1, 2, page_size=page_size), SlotTable(1, 2, page_size=page_size)
     longest = max(lengths)
@@ -259,5 +260,6 @@ def test_entries_recorded_before_their_keys_get_the_page_bounds_of_an_append(len
         pages = -(-int(plain.lengths.max()) // page_size)
         assert torch.equal(engine.lengths, plain.lengths)
         for h in range(2):
-            used = -(-int(plain.lengths[0, h]) // page_size)
-            assert torch.equal(engine.page_bounds[0, h, :used], plain.page_bounds[0, h, :used]), (step, h, pages)
+            full = int(plain.lengths[0, h]) // page_size
+            assert torch.equal(engine.page_bounds[0, h, :full], plain.page_bounds[0, h, :full]), (step, h, pages)
+        _check_page_bounds(engine, engine.view(pool))

@@ -2,12 +2,13 @@
 
 Dynamic selection: every entry stays held; before each decoding read, each KV head reads only
 the pages of ``page_size`` consecutive entries whose keys may score highest for the current
-query (METHODS.md, "Quest"). The store keeps, per page, each key channel's min and max (it
-refreshes them for the pages an append touches; their bytes count in kr). A page's bound,
+query (METHODS.md, "Quest"). The store keeps, per full page, each key channel's min and max
+(computed once, when the page fills; their bytes count in kr). A page's bound,
 ``Σ_c max(q_c·min_c, q_c·max_c)``, is at least the logit of every key in it; a KV head takes
-the best pages by the largest bound over its group's query heads, up to ``budget`` entries
-(or ``ratio`` of the context) per head, on top of the sinks and the most recent entries,
-which are always read. Quest saves reads, not memory: kr ≈ 1 (plus the bounds), cr < 1.
+the best full pages by the largest bound over its group's query heads, up to ``budget`` entries
+(or ``ratio`` of the context) per head, on top of the sinks, the most recent entries and the
+open page (not yet full), which are always read. Quest saves reads, not memory: kr ≈ 1 (plus
+the bounds), cr < 1.
 
 As a read rule it composes with any eviction: ``snapkv:ratio=0.5+quest:read_ratio=0.1`` keeps half the
 prompt by SnapKV, then each step reads a tenth of the tokens among what is held (selection over an evicted
@@ -29,9 +30,13 @@ def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """Upper bounds of q·k over each page, [B, H, G, pages]: Σ_c max(q_c·min_c, q_c·max_c) for grouped
     queries [B, H, G, d] and page bounds [B, H, pages, 2, d] (min, max per channel)."""
     q = query.float()
-    low, high = bounds.float().unbind(dim=3)  # [B, H, pages, d] each
-    # max(q_c·min_c, q_c·max_c) = max(q_c, 0)·max_c + min(q_c, 0)·min_c (min_c ≤ max_c): two products, no [.., 2, d] tensor
-    return q.clamp(min=0) @ high.transpose(-1, -2) + q.clamp(max=0) @ low.transpose(-1, -2)
+    # max(q_c·min_c, q_c·max_c) = min(q_c, 0)·min_c + max(q_c, 0)·max_c (min_c ≤ max_c): one product of [q⁻, q⁺] with
+    # each page's [min, max] (the bounds' own layout, flattened)
+    signed = torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)  # [B, H, G, 2d]
+    return signed @ bounds.float().flatten(-2).transpose(-1, -2)
+
+
+PLAN = "quest_plan"  # the last layer's (lengths, tokens seen, _Plan) this step
 
 
 @dataclass
@@ -41,7 +46,7 @@ class Quest(Reads):
     Options:
         page_size: entries per page (16, the paper's).
         sinks: first entries always read (4).
-        recent: most recent entries always read (the current page and the ones before, 32).
+        recent: most recent entries always read (32), beside the open page (a head's last page while it is not full).
         dense_layers: the first layers read everything (2: the paper leaves its first two layers
             dense, where attention is least sparse).
         read_budget / read_ratio: the entries read per step and KV head, protected ones included, when the
@@ -69,35 +74,68 @@ class Quest(Reads):
         """The sinks, the recent entries and the best pages by bound, up to the read budget per head."""
         if context.layer_idx < self.dense_layers:
             return None
-        b, h, length = view.shape
-        size = self.page_size
-        budget = policy.read_budgets(context)
-        if bool((view.lengths <= budget[:, None]).all()):
+        plan = self._plan(view, policy, context)
+        if plan is None:
             return None  # every head holds no more than it may read
-        device = view.positions.device
-        lengths = view.lengths.to(device)[..., None]  # [B, H, 1]
+        size, h = self.page_size, view.shape[1]
         query = group_queries(context.query[:, :, -1:], h)[:, :, :, 0]  # [B, H, G, d]: the step's (last) query
         bound = page_bounds(query, view.page_bounds).amax(dim=2)  # [B, H, pages]: the group's best
-        pages = bound.shape[-1]
-        # protected: the first `sinks` entries and the last `recent` of each head (read anyway)
+        best, chosen = bound.masked_fill(~plan.useful, float("-inf")).sort(dim=-1, descending=True, stable=True)
+        best, chosen = best[..., : plan.pages], chosen[..., : plan.pages]  # ties: the earlier page first
+        taken = plan.in_budget & (best > float("-inf"))
+        columns = (chosen[..., None] * size + plan.offsets).flatten(-2)  # [B, H, pages · size]
+        inside = taken.repeat_interleave(size, dim=-1) & plan.open.gather(-1, columns)
+        return torch.cat([plan.protected, columns.masked_fill(~inside, -1)], dim=-1)
+
+    def _plan(self, view, policy, context) -> _Plan | None:
+        """What a step's selection takes from the heads' lengths and the read budget alone (None: every head reads all
+        it holds), made once a step for every layer whose heads hold as many entries as the last one's (no eviction:
+        all)."""
+        held = context.step.get(PLAN)
+        if held is not None and torch.equal(held[0], view.lengths) and torch.equal(held[1], context.tokens_seen):
+            return held[2]
+        budget = policy.read_budgets(context)
+        plan = None if bool((view.lengths <= budget[:, None]).all()) else self._new_plan(view, budget)
+        context.step[PLAN] = (view.lengths, context.tokens_seen, plan)
+        return plan
+
+    def _new_plan(self, view, budget: torch.Tensor) -> _Plan:
+        b, h, length = view.shape
+        size, device = self.page_size, view.positions.device
+        lengths = view.lengths.to(device)[..., None]  # [B, H, 1]
+        pages = -(-length // size)
+        # protected (read anyway): the first `sinks` entries, and from `tail` on the last `recent` and the open page
         sinks = torch.arange(self.sinks, device=device).expand(b, h, -1)
         sinks = sinks.masked_fill(sinks >= lengths, -1)
-        recent = lengths - self.recent + torch.arange(self.recent, device=device)
-        recent = recent.masked_fill(recent < self.sinks, -1)  # those are sinks already, or before the first entry
+        tail = torch.minimum(lengths - self.recent, lengths // size * size)
+        width = max(self.recent, size - 1)
+        recent = lengths - width + torch.arange(width, device=device)
+        recent = recent.masked_fill((recent < tail) | (recent < self.sinks), -1)  # sinks already, or before the first
         protected = (sinks >= 0).sum(-1) + (recent >= 0).sum(-1)  # [B, H]
-        # a page is worth a bound when it holds an entry that is neither protected nor past the head's end
+        # a page is worth a bound when it holds an entry that is neither protected nor past the head's end: full pages
         first = torch.arange(pages, device=device) * size
-        useful = torch.clamp(first, min=self.sinks) < torch.minimum(first + size, lengths - self.recent)
-        bound = bound.masked_fill(~useful, float("-inf"))
+        useful = torch.clamp(first, min=self.sinks) < torch.minimum(first + size, tail)
         # pages in budget: what the protected entries leave, in whole pages (at least one)
         count = torch.clamp((budget.to(device)[:, None] - protected).clamp(min=0) // size, min=1)
-        best, chosen = bound.sort(dim=-1, descending=True, stable=True)  # ties: the earlier page first
-        k = int(count.max())
-        best, chosen = best[..., :k], chosen[..., :k]  # [B, H, k]
-        taken = (torch.arange(chosen.shape[-1], device=device) < count[..., None]) & (best > float("-inf"))
-        columns = (chosen[..., None] * size + torch.arange(size, device=device)).flatten(-2)  # [B, H, k · size]
-        inside = taken.repeat_interleave(size, dim=-1) & (columns >= self.sinks) & (columns < lengths - self.recent)
-        return torch.cat([sinks, recent, columns.masked_fill(~inside, -1)], dim=-1)
+        k = min(int(count.max()), pages)
+        columns = torch.arange(pages * size, device=device)
+        return _Plan(torch.cat([sinks, recent], dim=-1), useful, k, torch.arange(k, device=device) < count[..., None],
+                     torch.arange(size, device=device), (columns >= self.sinks) & (columns < tail))
+
+
+@dataclass
+class _Plan:
+    """A step's selection before the query: the protected entries [B, H, sinks + tail] (-1: none), the pages worth
+    a bound [B, H, pages], how many of the best pages are taken (``pages``; ``in_budget`` [B, H, pages]: which of
+    them each head may take), a page's column offsets [size], and the columns that are neither protected nor past a
+    head's end [B, H, pages · size]."""
+
+    protected: torch.Tensor
+    useful: torch.Tensor
+    pages: int
+    in_budget: torch.Tensor
+    offsets: torch.Tensor
+    open: torch.Tensor
 
 
 __all__ = ["Quest", "page_bounds"]

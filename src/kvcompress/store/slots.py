@@ -320,7 +320,8 @@ class SlotTable:
     channels, one column each, named in ``columns``). Padding holds (slot 0, a position after every
     real one) and zero weights. With ``page_size`` P > 0 the table also keeps, for every P
     consecutive entries of a head, each key channel's min and max (``page_bounds``, in the keys'
-    dtype, [R, H, pages, 2, d]; Quest's index), refreshed for the pages an append or an edit touched.
+    dtype, [R, H, pages, 2, d]; Quest's index): right for every full page (a head's open page is
+    computed only when it fills, or when a larger append or an edit refreshes it).
     Every operation takes ``rows`` (a slice; None = all rows) and works in the layout of
     ``view(pool, rows)``.
     """
@@ -534,14 +535,12 @@ class SlotTable:
 
     @_plain_tensors
     def written(self, pool: SlotPool, rows: Rows = None) -> None:
-        """The last entry of each head of ``rows`` (recorded by ``append_slots``) now holds its key in the pool:
-        its page's bounds are widened by it."""
+        """The last entry of each head of ``rows`` (recorded by ``append_slots``) now holds its key in the pool: the
+        page bounds follow (``_pages_after_one``)."""
         if not self.page_size:
             return
         rows = _all(rows)
-        before = self.lengths[rows] - 1
-        last = self.ids[rows, :, :, 0].gather(2, before.to(self.device)[..., None].long())[..., 0]  # [r, H]
-        self._pages_after_one(pool, rows, before, last)
+        self._pages_after_one(pool, rows, self.lengths[rows] - 1)
 
     def _record(self, pool: SlotPool, ids: torch.Tensor, added: torch.Tensor | None, weights: torch.Tensor | None,
                 rows: slice, pages: bool = True) -> None:
@@ -568,31 +567,22 @@ class SlotTable:
         if not (pages and self.page_size and before.numel()):
             return
         if q == 1 and added is None:
-            self._pages_after_one(pool, rows, before, ids[..., 0, 0])
+            self._pages_after_one(pool, rows, before)
         else:
             self._refresh_pages(pool, rows, int(before.min()))
 
-    def _pages_after_one(self, pool: SlotPool, rows: slice, before: torch.Tensor, slots: torch.Tensor) -> None:
-        """The page bounds of ``rows`` after one entry per head (``slots`` [r, H]) came after their ``before`` [r, H]
-        entries: widened by its key where the bounds have room for it, else recomputed from its page on."""
-        if self.page_bounds is not None and self.page_bounds.shape[2] * self.page_size > int(before.max()):
-            self._extend_pages(pool, rows, before, slots)
-        else:
-            self._refresh_pages(pool, rows, int(before.min()))
-
-    def _extend_pages(self, pool: SlotPool, rows: slice, before: torch.Tensor, slots: torch.Tensor) -> None:
-        """The page bounds after one entry per head (``slots`` [r, H]) was put after the ``before`` [r, H] entries
-        of ``rows``: its page's min and max widened by its key, or set to it where it starts a page (what
-        ``_refresh_pages`` computes, in a few operations: a decoding step's append)."""
-        keys, _ = pool.gather(slots)  # [r, H, d]
-        size = self.page_size
-        page = (before // size).to(self.device)[..., None, None, None].expand(*keys.shape[:2], 1, 2, keys.shape[-1])
-        bounds = self.page_bounds[rows]
-        low, high = bounds.gather(2, page)[:, :, 0].unbind(dim=2)  # [r, H, d] each
-        starts = (before % size == 0).to(self.device)[..., None]
-        low = torch.where(starts, keys, torch.minimum(low, keys))
-        high = torch.where(starts, keys, torch.maximum(high, keys))
-        bounds.scatter_(2, page, torch.stack([low, high], dim=2)[:, :, None])
+    def _pages_after_one(self, pool: SlotPool, rows: slice, before: torch.Tensor) -> None:
+        """The page bounds of ``rows`` after one entry per head came after their ``before`` [r, H] entries. What a read
+        by bound needs are the bounds of full pages (Quest reads a head's open page, not yet full, whole), so a page's
+        are computed once, when the entry that fills it comes; where the bounds have no room for it yet, from
+        ``before`` on (the open pages too)."""
+        counts = before.flatten().tolist()  # a few heads: plain numbers cost less than tensor operations
+        if self.page_bounds is None or self.page_bounds.shape[2] * self.page_size <= max(counts):
+            self._refresh_pages(pool, rows, min(counts))
+            return
+        filled = [n for n in counts if (n + 1) % self.page_size == 0]
+        if filled:
+            self._refresh_pages(pool, rows, min(filled))
 
     def _refresh_pages(self, pool: SlotPool, rows: slice, start: int = 0) -> None:
         """Recompute the page bounds of ``rows`` from column ``start`` on (the pages entries were added to or
@@ -638,6 +628,12 @@ class SlotTable:
             weights = torch.zeros(*self.weights.shape[:2], capacity, self.weights.shape[3], device=self.device)
             weights[:, :, :keep] = self.weights[:, :, :keep]
             self.weights = weights
+        if self.page_bounds is not None:  # a page for every page_size columns of the table
+            pages = -(-capacity // self.page_size)
+            bounds = self.page_bounds.new_zeros(*self.page_bounds.shape[:2], pages, *self.page_bounds.shape[3:])
+            kept = min(pages, self.page_bounds.shape[2])
+            bounds[:, :, :kept] = self.page_bounds[:, :, :kept]
+            self.page_bounds = bounds
 
     @_plain_tensors
     def shrink(self) -> None:

@@ -87,8 +87,9 @@ class KVView:
         channels: per-entry method state, float32 [B, H, L] each (H2O's scores, EMA).
         summary: what left, merged into every read.
         uniform: True when the caller knows every head holds L entries (skips the check).
-        page_bounds: [B, H, pages, 2, d], each channel's min and max key over every ``page_size``
-            consecutive entries (pages past a head's length mean nothing), when the store keeps them.
+        page_bounds: [B, H, pages, 2, d], each channel's min and max key over every full page of ``page_size``
+            consecutive entries (a head's open page, not yet full, and pages past its length mean nothing),
+            when the store keeps them.
         pages: where the entries live, when a decoding read may read them in place (``Pages``), or a
             function giving them (or None) on first use.
         shape: (B, H, L), given with lazy positions.
@@ -212,7 +213,8 @@ class KVView:
         else:
             keys = values = None
             load = lambda _: self._load(safe)  # noqa: E731
-        return KVView(self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION), (~hole).sum(-1).cpu(), load=load,
+        positions = lambda: self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION)  # noqa: E731 (a read in place needs none)
+        return KVView(positions, (~hole).sum(-1).cpu(), shape=index.shape, load=load,
                       keys=keys, values=values, log_weights=pick(self.log_weights),
                       channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary,
                       pages=lambda: None if self.pages is None else self.pages.select(index))
