@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvcompress.read import decode_weights, read
 from kvcompress.read.paged import cpu_kernel, paged_decode, paged_decode_torch
+from kvcompress.read.pages import top_pages, top_pages_torch
 from kvcompress.read.reference import read_reference
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
@@ -200,3 +201,24 @@ def test_decode_weights_in_place_equal_the_references():
     torch.testing.assert_close(in_place, reference, atol=1e-6, rtol=1e-5)
     assert bool((in_place.masked_fill(view.valid[:, :, None], 0.0) == 0).all())
     torch.testing.assert_close(in_place.sum(-1), torch.ones(2, 2, 3))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 2), heads=st.integers(1, 3), group=st.integers(1, 3), total=st.integers(1, 12), page_size=st.integers(1, 5),
+       levels=st.integers(1, 4), width=st.integers(0, 4), data=st.data(), seed=st.integers(0, 2**16))
+def test_the_compiled_top_pages_equal_the_reference(rows, heads, group, total, page_size, levels, width, data, seed):
+    """Quest's choice of pages, compiled, column for column as the PyTorch reference: few bound levels (ties: the
+    earlier page first), pages not worth a bound, heads that may take none to all, columns not open, protected ones."""
+    gen = torch.Generator().manual_seed(seed)
+    bound = torch.randint(0, levels, (rows, heads, group, total), generator=gen).float()
+    bound = bound.masked_fill(torch.rand(bound.shape, generator=gen) < 0.1, float("-inf"))
+    useful = torch.rand(rows, heads, total, generator=gen) < 0.8
+    count = torch.randint(0, total + 2, (rows, heads), generator=gen)
+    pages = data.draw(st.integers(0, total))
+    protected = torch.randint(-1, total * page_size, (rows, heads, width), generator=gen)
+    open_columns = torch.rand(rows, heads, total * page_size, generator=gen) < 0.85
+    args = (bound, useful, count, protected, open_columns, page_size, pages)
+    expected = top_pages_torch(*args)
+    assert expected.shape == (rows, heads, width + pages * page_size)
+    assert torch.equal(cpu_kernel().top_pages(*args), expected)
+    assert torch.equal(top_pages(*args), expected)

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from ..read import group_queries
+from ..read import group_queries, top_pages
 from .parts import Needs, Reads
 
 
@@ -77,15 +77,9 @@ class Quest(Reads):
         plan = self._plan(view, policy, context)
         if plan is None:
             return None  # every head holds no more than it may read
-        size, h = self.page_size, view.shape[1]
-        query = group_queries(context.query[:, :, -1:], h)[:, :, :, 0]  # [B, H, G, d]: the step's (last) query
-        bound = page_bounds(query, view.page_bounds).amax(dim=2)  # [B, H, pages]: the group's best
-        best, chosen = bound.masked_fill(~plan.useful, float("-inf")).sort(dim=-1, descending=True, stable=True)
-        best, chosen = best[..., : plan.pages], chosen[..., : plan.pages]  # ties: the earlier page first
-        taken = plan.in_budget & (best > float("-inf"))
-        columns = (chosen[..., None] * size + plan.offsets).flatten(-2)  # [B, H, pages · size]
-        inside = taken.repeat_interleave(size, dim=-1) & plan.open.gather(-1, columns)
-        return torch.cat([plan.protected, columns.masked_fill(~inside, -1)], dim=-1)
+        query = group_queries(context.query[:, :, -1:], view.shape[1])[:, :, :, 0]  # [B, H, G, d]: the step's (last) query
+        return top_pages(page_bounds(query, view.page_bounds), plan.useful, plan.count, plan.protected, plan.open,
+                         self.page_size, plan.pages)
 
     def _plan(self, view, policy, context) -> _Plan | None:
         """What a step's selection takes from the heads' lengths and the read budget alone (None: every head reads all
@@ -117,24 +111,22 @@ class Quest(Reads):
         useful = torch.clamp(first, min=self.sinks) < torch.minimum(first + size, tail)
         # pages in budget: what the protected entries leave, in whole pages (at least one)
         count = torch.clamp((budget.to(device)[:, None] - protected).clamp(min=0) // size, min=1)
-        k = min(int(count.max()), pages)
         columns = torch.arange(pages * size, device=device)
-        return _Plan(torch.cat([sinks, recent], dim=-1), useful, k, torch.arange(k, device=device) < count[..., None],
-                     torch.arange(size, device=device), (columns >= self.sinks) & (columns < tail))
+        return _Plan(torch.cat([sinks, recent], dim=-1), useful, min(int(count.max()), pages), count,
+                     (columns >= self.sinks) & (columns < tail))
 
 
 @dataclass
 class _Plan:
-    """A step's selection before the query: the protected entries [B, H, sinks + tail] (-1: none), the pages worth
-    a bound [B, H, pages], how many of the best pages are taken (``pages``; ``in_budget`` [B, H, pages]: which of
-    them each head may take), a page's column offsets [size], and the columns that are neither protected nor past a
-    head's end [B, H, pages · size]."""
+    """A step's selection before the query (``read.top_pages``'s arguments): the protected columns [B, H, sinks + tail]
+    (-1: none), the pages worth a bound [B, H, P], how many of the best pages are laid out (``pages``) and how many
+    each head may take (``count`` [B, H]), and the columns that are neither protected nor past a head's end
+    [B, H, P · page_size]."""
 
     protected: torch.Tensor
     useful: torch.Tensor
     pages: int
-    in_budget: torch.Tensor
-    offsets: torch.Tensor
+    count: torch.Tensor
     open: torch.Tensor
 
 

@@ -25,6 +25,7 @@ from .reference import (attend_reference, attend_with_max_weights, attention_pro
                         read_reference)
 from .sdpa import chunk_attention, merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
 from .paged import paged_decode
+from .pages import top_pages
 
 
 @dataclass
@@ -123,4 +124,5 @@ __all__ = [
     "prompt_attention_with_sums",
     "read",
     "replay_attention",
+    "top_pages",
 ]

@@ -38,7 +38,7 @@ from ..store.view import KiviBlocks
 from .tables import KIVI_FIELDS, stacked, stacked_log_weights
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp")]
 _built: object | None = None
 _failed: str | None = None
 
@@ -51,7 +51,7 @@ def cpu_kernel():
             from torch.utils.cpp_extension import load
 
             _ninja_on_path()
-            _built = load(name="kvcompress_paged_decode", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
+            _built = load(name="kvcompress_kernels", sources=[str(source) for source in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
                           extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # no compiler, no headers: the plain PyTorch path still reads correctly
             _failed = f"{type(error).__name__}: {error}"

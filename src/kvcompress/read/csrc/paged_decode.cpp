@@ -14,7 +14,8 @@
 // channel (z, s the block's per-channel zero point and scale), so q · k = q · z + (q ⊙ s) · c: q · z and q ⊙ s are
 // made once per block, and a coded key costs one dot product over its codes (unpacked in registers). Its value is z + c · s per
 // channel group of the entry, decoded into a float32 row before it is accumulated.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -526,8 +527,4 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode",
                                   [&] { run<scalar_t>(query, keys, values, kivi, views, lengths, out, lse, scores); });
   return {out, lse};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention over slot tables (CPU)");
 }

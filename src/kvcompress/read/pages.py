@@ -1,0 +1,45 @@
+"""The best pages of each KV head by their bound, as the entry columns a decoding read takes (Quest's choice).
+
+    top_pages(bound, useful, count, protected, open, page_size, pages) -> columns [B, H, W + pages · page_size]
+
+Per (row, KV head): a page's score is the largest of its query heads' bounds ``bound`` [B, H, G, P] where ``useful``
+[B, H, P], else -inf; pages rank by score, of equal scores the earlier page first (a stable descending sort), and the
+first ``pages`` are laid out page after page: column p · page_size + t where the page is among the head's ``count``
+[B, H] best, scores above -inf, and ``open`` [B, H, P · page_size] holds at that column, else -1 (a hole). The head's
+``protected`` columns [B, H, W] (-1: none) come first, as given. Bounds are never NaN.
+
+On the CPU the compiled kernel (``csrc/top_pages.cpp``, built with the decoding read's) does it in one call per layer
+(the PyTorch path is a score of small operations, each paying its dispatch); elsewhere, or where the kernel is not
+built, ``top_pages_torch``, the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged import cpu_kernel
+
+
+def top_pages(bound: torch.Tensor, useful: torch.Tensor, count: torch.Tensor, protected: torch.Tensor, open_columns: torch.Tensor,
+              page_size: int, pages: int) -> torch.Tensor:
+    """The columns a head reads: its protected ones, then its best pages' (see the module docstring)."""
+    kernel = cpu_kernel() if bound.device.type == "cpu" else None
+    if kernel is None:
+        return top_pages_torch(bound, useful, count, protected, open_columns, page_size, pages)
+    return kernel.top_pages(bound.float().contiguous(), useful.contiguous(), count.long().contiguous(),
+                            protected.long().contiguous(), open_columns.contiguous(), page_size, pages)
+
+
+def top_pages_torch(bound: torch.Tensor, useful: torch.Tensor, count: torch.Tensor, protected: torch.Tensor,
+                    open_columns: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
+    """``top_pages`` in plain PyTorch: the reference."""
+    score = bound.float().amax(dim=2).masked_fill(~useful, float("-inf"))  # [B, H, P]: the group's best
+    best, chosen = score.sort(dim=-1, descending=True, stable=True)
+    best, chosen = best[..., :pages], chosen[..., :pages]
+    taken = (torch.arange(pages, device=bound.device) < count[..., None].to(bound.device)) & (best > float("-inf"))
+    columns = (chosen[..., None] * page_size + torch.arange(page_size, device=bound.device)).flatten(-2)  # [B, H, pages · size]
+    inside = taken.repeat_interleave(page_size, dim=-1) & open_columns.gather(-1, columns)
+    return torch.cat([protected.long(), columns.masked_fill(~inside, -1)], dim=-1)
+
+
+__all__ = ["top_pages", "top_pages_torch"]
