@@ -93,7 +93,7 @@ def _read_pages(query: torch.Tensor, view: KVView, scaling: float, weights: bool
     scores = torch.full((rows, hq, length), -math.inf, device=query.device) if weights else None
     out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi, scores)
     if scores is not None:
-        scores = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # exp(-inf) = 0 on holes
+        scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # in place; exp(-inf) = 0 on holes
     return out, lse, scores
 
 

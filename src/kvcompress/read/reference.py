@@ -24,15 +24,14 @@ def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial softmax attentions over disjoint entry sets (log domain).
 
-    ``o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})``, computed with the
-    running max so that nothing overflows; an empty side (``lse = -inf``) contributes 0.
+    ``o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})``: each side weighed by
+    e^{lse_side − lse}, lse = log(e^{lse_a} + e^{lse_b}) taken by ``logaddexp`` (nothing overflows);
+    an empty side (``lse = -inf``) contributes 0.
     """
-    shift = torch.maximum(lse_a, lse_b)
-    shift = torch.where(torch.isfinite(shift), shift, 0.0)
-    w_a, w_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)  # 0 on an empty side
-    total = w_a + w_b
-    out = (w_a[..., None] * torch.nan_to_num(out_a) + w_b[..., None] * torch.nan_to_num(out_b)) / total.clamp(min=1e-30)[..., None]
-    return out, shift + torch.log(total)
+    lse = torch.logaddexp(lse_a, lse_b)  # -inf where both sides are empty
+    shift = lse.nan_to_num(neginf=0.0)
+    w_a, w_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)  # each side's share; 0 on an empty side
+    return torch.nan_to_num(out_a) * w_a[..., None] + torch.nan_to_num(out_b) * w_b[..., None], lse
 
 
 def masked_logits(
