@@ -8,8 +8,10 @@
 
 It takes a ``KVView`` and knows nothing of methods, the store's layout or transformers.
 ``reference.py`` is the float32 oracle; ``sdpa.py`` the fast path on torch's fused kernels
-(exact SDPA for uniform heads, a masked flash kernel with the log-sum-exp otherwise). Tests
-hold the fast path to the reference. Causality is decided by original token positions, so
+(exact SDPA for uniform heads, a masked flash kernel with the log-sum-exp otherwise); ``paged.py``
+a decoding query's read where the entries live. Tests hold the fast paths to the reference. For
+choosing what to read: ``decode_weights`` (each entry's weight for a decoding query, from the paged
+read's logits: OmniKV's filter layers) and ``top_pages`` (each head's best pages by bound: Quest). Causality is decided by original token positions, so
 entries appended behind an evicted prefix need no mask bookkeeping.
 """
 

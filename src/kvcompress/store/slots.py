@@ -577,6 +577,8 @@ class SlotTable:
         are computed once, when the entry that fills it comes; where the bounds have no room for it yet, from
         ``before`` on (the open pages too)."""
         counts = before.flatten().tolist()  # a few heads: plain numbers cost less than tensor operations
+        if not counts:
+            return
         if self.page_bounds is None or self.page_bounds.shape[2] * self.page_size <= max(counts):
             self._refresh_pages(pool, rows, min(counts))
             return
