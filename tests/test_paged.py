@@ -222,3 +222,27 @@ def test_the_compiled_top_pages_equal_the_reference(rows, heads, group, total, p
     assert expected.shape == (rows, heads, width + pages * page_size)
     assert torch.equal(cpu_kernel().top_pages(*args), expected)
     assert torch.equal(top_pages(*args), expected)
+
+
+def test_a_read_hands_out_its_weights_in_the_views_columns():
+    """``read(weights=True)``: each entry's weight from the read itself, in the view's columns, as the reference gives
+    them: over every entry in place, over a selection (0 on the columns left out) and without pages."""
+    torch.manual_seed(3)
+    pool, table = SlotPool(16), SlotTable(2, 2)
+    table.append(pool, torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16), torch.arange(24).expand(2, 24))
+    query, positions = torch.randn(2, 4, 1, 16), torch.tensor([[24], [24]])
+    view = table.view(pool)
+    plain = KVView(view.positions, view.lengths, keys=view.keys, values=view.values)
+    expected = decode_weights(query, positions, plain, 0.25)  # [2, 2, 2, 24]
+    for source in (view, plain):
+        result = read(query, positions, source, 0.25, weights=True)
+        torch.testing.assert_close(result.weights, expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result.out, read(query, positions, plain, 0.25, reference=True).out, atol=1e-5, rtol=1e-5)
+    select = torch.stack([torch.randperm(24)[:9] for _ in range(4)]).view(2, 2, 9)
+    chosen = read(query, positions, view, 0.25, select=select, weights=True).weights
+    alone = decode_weights(query, positions, plain.select(select), 0.25)  # [2, 2, 2, 9]: the chosen entries' weights
+    torch.testing.assert_close(chosen.gather(-1, select[:, :, None].expand_as(alone)), alone, atol=1e-6, rtol=1e-5)
+    left_out = torch.ones(2, 2, 24, dtype=torch.bool).scatter(-1, select, False)
+    assert bool((chosen.masked_fill(~left_out[:, :, None], 0.0) == 0).all())
+    with pytest.raises(ValueError, match="one decoding query"):
+        read(torch.randn(2, 4, 2, 16), torch.tensor([[24, 25], [24, 25]]), view, 0.25, weights=True)

@@ -289,8 +289,11 @@ class Session:
         self.append_step(layer_idx, key, value, positions)
         view = self.view(layer_idx)
         select = self.select(layer_idx, view, query, positions)
+        weights = self.wants_read_weights(layer_idx, query, positions)
         result = read(query, positions, view, self.layers[layer_idx].scaling, select=select,
-                      col_sums=self.wants_col_sums(layer_idx, query, positions))
+                      col_sums=self.wants_col_sums(layer_idx, query, positions), weights=weights)
+        if weights:
+            self.read_weights(layer_idx, view, query, positions, result.weights)
         self.after_read(layer_idx, query, positions, result.col_sums, view, hidden)
         return result.out
 
@@ -304,6 +307,16 @@ class Session:
             select = self.method.select(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions))
         self._count_reads(int(self.lengths(layer_idx).sum()) if select is None else int((select >= 0).sum()), [layer_idx])
         return select
+
+    def wants_read_weights(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether the method's read rule takes this decoding read's per-entry weights (OmniKV's filter layers)."""
+        return query.shape[2] == 1 and self.method.selects and self.method.wants_read_weights(self.context(layer_idx, query, positions))
+
+    def read_weights(self, layer_idx: int, view: KVView | None, query: torch.Tensor, positions: torch.Tensor,
+                     weights: torch.Tensor) -> None:
+        """Hand the read rule a decoding read's per-entry weights [B, H, G, L] (``view``: the layer's, if at hand)."""
+        self.method.read_weights(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions),
+                                 weights)
 
     def _count_reads(self, read: int, layers: list[int]) -> None:
         """A decoding step's ``read`` entries over ``layers``, beside what a full cache would have read there (``cr``)."""
@@ -452,12 +465,16 @@ class Session:
                     layer, at = self.layers[i], slice(t, t + 1)
                     tables[i].append(self.pool, key[:, :, at], value[:, :, at], positions[:, at])
                     view = tables[i].view(self.pool, summary=layer.summary)
-                    select = None
+                    select, weights = None, False
                     if self.method.selects:
                         context = dataclasses.replace(self.context(i, query[:, :, at], positions[:, at]),
                                                       tokens_seen=layer.tokens_seen + t + 1, step=scratch)
                         select = self.method.select(view, context)
-                    outputs[i].append(read(query[:, :, at], positions[:, at], view, layer.scaling, select=select).out)
+                        weights = self.method.wants_read_weights(context)
+                    result = read(query[:, :, at], positions[:, at], view, layer.scaling, select=select, weights=weights)
+                    if weights:
+                        self.method.read_weights(view, context, result.weights)
+                    outputs[i].append(result.out)
         finally:
             for table in tables:
                 table.release(self.pool)

@@ -119,7 +119,7 @@ def test_bad_codecs_fail_clearly():
 
 def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypatch):
     """``omnikv+kivi``: layers 0 and 1 read every entry and the layers after the filter only the entries they select,
-    dequantised in place by the decoding kernel; the filter layer scores every entry from the kernel's logits too.
+    dequantised in place by the decoding kernel; the filter layer chooses from its own read's weights (one read).
     Nothing is dequantised outside the kernel."""
     import kvcompress.read as read_module
     from kvcompress.store.codecs import KiviCodec
@@ -144,6 +144,5 @@ def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypa
         model(logits[:, -1:].argmax(-1), past_key_values=cache)
     held = cache.stats()["entries"] // 4  # per layer (1 batch row × 2 KV heads)
     assert decoded == []
-    assert len(paged) == 5 and all(coded for _, coded in paged)  # every layer reads coded entries in place, the filter twice
-    assert paged[0][0] == paged[1][0] == paged[2][0] == held  # layer 0; layer 1's scores, then its read: every entry
-    assert all(named <= 2 * 24 < held for named, _ in paged[3:])  # then a selection
+    assert len(paged) == 4 and all(coded for _, coded in paged)  # every layer reads coded entries in place, once
+    assert paged[0][0] == paged[1][0] == held and all(named <= 2 * 24 < held for named, _ in paged[2:])  # all; then a selection

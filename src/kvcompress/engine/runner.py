@@ -146,7 +146,11 @@ class ModelRunner:
         acting = [r for r, s in enumerate(sessions) if s.acts_per_layer]
         wants = {r: sessions[r].wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r in acting}
         select = self.joint_select(sessions, acting, layer_idx, query, positions, view.shape[2])
-        result = read(query, positions, view, scaling, select=select, col_sums=any(wants.values()))
+        weighing = [r for r in acting if sessions[r].wants_read_weights(layer_idx, query[r : r + 1], positions[r : r + 1])]
+        result = read(query, positions, view, scaling, select=select, col_sums=any(wants.values()), weights=bool(weighing))
+        for r in weighing:
+            length = int(sessions[r].lengths(layer_idx).max())
+            sessions[r].read_weights(layer_idx, None, query[r : r + 1], positions[r : r + 1], result.weights[r : r + 1, ..., :length])
         for r in acting:
             session = sessions[r]
             sums = None

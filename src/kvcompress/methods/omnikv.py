@@ -2,8 +2,9 @@
 
 Dynamic selection without eviction (METHODS.md, "OmniKV"): a few *filter* layers read every
 entry; at each filter layer the current query's attention (the largest weight over all query
-heads) picks the ``budget`` (or ``ratio`` × context) best tokens, and the layers after it, up to
-the next filter layer, read only those tokens (plus the sinks and the most recent ones). The
+heads, from that layer's own read: ``read_weights``) picks the ``budget`` (or ``ratio`` ×
+context) best tokens, and the layers after it, up to the next filter layer, read only those
+tokens (plus the sinks and the most recent ones). The
 layers before the first filter layer read everything too. One token set serves every head of
 those layers — the paper's observation that important tokens are shared across consecutive
 layers. Nothing leaves the cache: kr ≈ 1, cr < 1.
@@ -19,11 +20,11 @@ from typing import ClassVar
 
 import torch
 
-from ..read import decode_weights
 from .parts import Reads
 from .selection import true_columns
 
 STEP = "omnikv_tokens"
+BUDGET = "omnikv_budget"  # a filter layer's read budget [B] this step (None: it reads every token)
 COLUMNS = "omnikv_columns"  # the last layer's (lengths, positions, columns) this step
 
 
@@ -69,15 +70,22 @@ class OmniKV(Reads):
         layer = context.layer_idx
         if layer < filters[0]:
             return None  # before the first filter layer: everything
-        if layer in filters:  # a filter layer reads everything, then chooses for the layers after it
+        if layer in filters:  # a filter layer reads everything, then chooses for the layers after it (read_weights)
             budget = policy.read_budgets(context)
-            reads_all = bool((budget >= context.tokens_seen).all())
-            context.step[STEP] = None if reads_all else self.choose(view, context, budget)
+            context.step[STEP] = None
+            context.step[BUDGET] = None if bool((budget >= context.tokens_seen).all()) else budget
             context.step.pop(COLUMNS, None)
             return None
         if context.step.get(STEP) is None:
             return None  # the budget reads every token
         return self.layer_columns(view, context)
+
+    def wants_read_weights(self, policy, context) -> bool:
+        """At a filter layer whose budget does not read every token: its read's weights choose the tokens."""
+        return context.layer_idx in self.filter_layers(context.num_layers) and context.step.get(BUDGET) is not None
+
+    def read_weights(self, policy, view, context, weights: torch.Tensor) -> None:
+        context.step[STEP] = self.choose(view, context, context.step[BUDGET], weights)
 
     def layer_columns(self, view, context) -> torch.Tensor:
         """``columns`` of the filter layer's choice for this layer; a layer holding the same tokens in the same
@@ -95,12 +103,11 @@ class OmniKV(Reads):
         lengths = view.lengths.to(view.positions.device)[..., None]
         return ((columns < self.sinks) | (columns >= lengths - self.recent)) & (columns < lengths)
 
-    def choose(self, view, context, budget: torch.Tensor) -> torch.Tensor:
+    def choose(self, view, context, budget: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """bool [B, tokens]: the tokens (by position) the next layers read — the protected ones and the best
-        of the rest by the largest attention weight of the step's query over every query head, up to the
-        read budget."""
+        of the rest by the largest attention weight of the step's query (``weights`` [B, H, G, L], the filter
+        layer's read's) over every query head, up to the read budget."""
         b, h, length = view.shape
-        weights = decode_weights(context.query[:, :, -1:], context.query_positions[:, -1:], view, context.scaling)
         score = weights.amax(dim=2)  # [B, H, L]: the best over each KV head's query group
         protected = self.protected(view)
         tokens = int(context.tokens_seen.max())

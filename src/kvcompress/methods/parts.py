@@ -275,6 +275,13 @@ class Reads(Part):
         """Entries to read this step: indices [B, H, k] into the view's L (-1: none), or None for all."""
         raise NotImplementedError
 
+    def wants_read_weights(self, policy, context: LayerContext) -> bool:
+        """Whether this layer's decoding read should hand each entry's weight to ``read_weights`` (after ``select``)."""
+        return False
+
+    def read_weights(self, policy, view: KVView, context: LayerContext, weights: torch.Tensor) -> None:
+        """After a decoding read that ``wants_read_weights``: each entry's weight [B, H, G, L] for the step's query."""
+
 
 @dataclass
 class Storage(Part):

@@ -228,6 +228,13 @@ class Policy:
         """Entries to read this step: indices [B, H, k] into the view's L (-1: none), or None for all."""
         return self.reads.select(self, view, context)
 
+    def wants_read_weights(self, context: LayerContext) -> bool:
+        """Whether the read rule takes this decoding read's per-entry weights (OmniKV's filter layers)."""
+        return self.reads is not None and self.reads.wants_read_weights(self, context)
+
+    def read_weights(self, view: KVView, context: LayerContext, weights: torch.Tensor) -> None:
+        self.reads.read_weights(self, view, context, weights)
+
     @property
     def acts_while_decoding(self) -> bool:
         return self.score is not None and self.decoding.acts

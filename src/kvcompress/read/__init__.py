@@ -11,7 +11,8 @@ It takes a ``KVView`` and knows nothing of methods, the store's layout or transf
 (exact SDPA for uniform heads, a masked flash kernel with the log-sum-exp otherwise); ``paged.py``
 a decoding query's read where the entries live. Tests hold the fast paths to the reference. For
 choosing what to read: ``decode_weights`` (each entry's weight for a decoding query, from the paged
-read's logits: OmniKV's filter layers) and ``top_pages`` (each head's best pages by bound: Quest). Causality is decided by original token positions, so
+read's logits; ``read(weights=True)`` hands them out with the read itself: OmniKV's filter layers) and ``top_pages``
+(each head's best pages by bound: Quest). Causality is decided by original token positions, so
 entries appended behind an evicted prefix need no mask bookkeeping.
 """
 
@@ -35,53 +36,70 @@ class ReadResult:
     """``out`` [B, Hq, q, d] in the query's dtype; ``lse`` [B, Hq, q] float32 (None when the exact
     SDPA path ran and nobody asked for it); ``col_sums`` [B, H, L] float32: Σ over the queries of
     each entry's attention weight, mean over the GQA group, before the summary merge (zeros on
-    entries a selection left out)."""
+    entries a selection left out); ``weights`` [B, H, G, L] float32, asked for one decoding query per row: each
+    entry's weight per query head (``decode_weights``), before the summary merge."""
 
     out: torch.Tensor
     lse: torch.Tensor | None = None
     col_sums: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
 
 def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float, select: torch.Tensor | None = None,
-         col_sums: bool = False, need_lse: bool = False, reference: bool = False) -> ReadResult:
+         col_sums: bool = False, need_lse: bool = False, reference: bool = False, weights: bool = False) -> ReadResult:
     """Attend queries [B, Hq, q, d] at positions [B, q] to the view's entries.
 
     ``select`` [B, H, k] (int64): per KV head, the indices (into the view's L) of the entries to
     read, -1 for none; the rest are skipped (dynamic selection). ``reference=True`` runs the
-    float32 oracle.
+    float32 oracle. ``weights``: each entry's weight too (one decoding query per row).
     """
+    if weights and query.shape[2] != 1:
+        raise ValueError("read: per-entry weights are for one decoding query per row")
     full_length = view.shape[2]
     if select is not None:
         view = view.select(select)
     if query.shape[2] == 1 and not reference and view.pages is not None:  # a decoding step: read in place
-        out, lse, sums = read_paged(query, view, scaling, col_sums)
-    elif reference:
+        out, lse, sums, entry_weights = read_paged(query, view, scaling, col_sums, weights)
+        return ReadResult(out, lse, _in_view(sums, select, full_length), _in_view(entry_weights, select, full_length))
+    if weights:  # not in place: the reference's weights, beside the read
+        result = read(query, query_positions, view, scaling, col_sums=col_sums, need_lse=need_lse, reference=reference)
+        entry_weights = decode_weights(query, query_positions, view, scaling, reference)
+        return ReadResult(result.out, result.lse, _in_view(result.col_sums, select, full_length), _in_view(entry_weights, select, full_length))
+    if reference:
         out, lse, sums = read_reference(query, query_positions, view, scaling, col_sums)
         out = out.to(query.dtype)
     elif select is None and view.uniform and view.log_weights is None and view.summary is None and not (col_sums or need_lse):
         return ReadResult(read_exact(query, query_positions, view, scaling))
     else:
         out, lse, sums = read_masked(query, query_positions, view, scaling, col_sums)
-    if sums is not None and select is not None:
-        sums = torch.zeros(*sums.shape[:2], full_length, dtype=sums.dtype, device=sums.device).scatter_add(
-            -1, select.clamp(min=0), sums.masked_fill(select < 0, 0.0))
-    return ReadResult(out, lse, sums)
+    return ReadResult(out, lse, _in_view(sums, select, full_length))
 
 
-def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _in_view(values: torch.Tensor | None, select: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """A selection's per-entry values ([B, H, k] column sums, or [B, H, G, k] weights) back in the view's ``length``
+    columns (0 on the others)."""
+    if values is None or select is None:
+        return values
+    index = select if values.dim() == 3 else select[:, :, None].expand_as(values)
+    return torch.zeros(*values.shape[:-1], length, dtype=values.dtype, device=values.device).scatter_add(
+        -1, index.clamp(min=0), values.masked_fill(index < 0, 0.0))
+
+
+def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool = False, weights: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One decoding query per row [B, Hq, 1, d] over the entries where they live (``view.pages``), the summary
-    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32, the column sums [B, H, L] if asked: each entry's weight
-    (``_read_pages``), mean over the GQA group, before the summary merge)."""
-    out, lse, weights = _read_pages(query, view, scaling, col_sums)
+    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32, the column sums [B, H, L] if asked, each entry's weight
+    [B, H, G, L] if asked), both before the summary merge: the sums are the weights' mean over the GQA group."""
+    out, lse, entry_weights = _read_pages(query, view, scaling, col_sums or weights)
     sums = None
-    if col_sums:
-        rows, hq, length = weights.shape
-        sums = weights.view(rows, view.shape[1], hq // view.shape[1], length).mean(dim=2)
+    if entry_weights is not None:
+        rows, hq, length = entry_weights.shape
+        entry_weights = entry_weights.view(rows, view.shape[1], hq // view.shape[1], length)
+        sums = entry_weights.mean(dim=2) if col_sums else None
     out, lse = out[:, :, None], lse[:, :, None]
     if view.summary is not None:
         out, lse = merge_summary(query, out, lse, view.summary, view.shape[1], scaling)
-    return out, lse, sums
+    return out, lse, sums, entry_weights if weights else None
 
 
 def _read_pages(query: torch.Tensor, view: KVView, scaling: float, weights: bool
@@ -99,13 +117,14 @@ def _read_pages(query: torch.Tensor, view: KVView, scaling: float, weights: bool
     return out, lse, scores
 
 
-def decode_weights(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float) -> torch.Tensor:
+def decode_weights(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scaling: float,
+                   reference: bool = False) -> torch.Tensor:
     """Each entry's attention weight [B, H, G, L] (float32) for one decoding query per row [B, Hq, 1, d] at
     positions [B, 1], log-weights included, before the summary merge, 0 on padding: from the logits of the read
-    in place where the view's entries live (``view.pages``), else from the float32 reference's."""
+    in place where the view's entries live (``view.pages``), else (or ``reference``) from the float32 reference's."""
     b, hq, _, _ = query.shape
     heads, length = view.shape[1], view.shape[2]
-    if view.pages is not None:
+    if view.pages is not None and not reference:
         _, _, weights = _read_pages(query, view, scaling, True)
         return weights.view(b, heads, hq // heads, length)
     logits = masked_logits(group_queries(query, heads), view.keys, scaling, query_positions, view.positions, view.valid,
