@@ -845,7 +845,9 @@ def _aligned(flat: torch.Tensor, aligned: torch.Tensor, fill) -> torch.Tensor:
 
 
 def _compacted(array: torch.Tensor, place: torch.Tensor, fill) -> torch.Tensor:
-    """Rows [B, H, L, C] moved to column ``place`` [B, H, L, 1] (L: dropped), ``fill`` where nothing moved to."""
+    """Rows [B, H, L, C] moved to column ``place`` [B, H, L, 1] (L: dropped), ``fill`` where nothing moved to. What
+    ``_aligned(array[keep], ...)`` gives for a table's rows in place, by one scatter (a boolean gather and a masked
+    write cost ~3.5× as much on a step's eviction)."""
     out = torch.empty((*array.shape[:2], array.shape[2] + 1, array.shape[3]), dtype=array.dtype, device=array.device)
     out[...] = fill
     return out.scatter_(2, place.expand_as(array), array)[:, :, :-1]
