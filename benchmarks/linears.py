@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvcompress.engine.packed import PackedForward
+from kvcompress.engine.packed import PackedLinear
 from kvcompress.models import load_model
 
 
@@ -50,7 +50,7 @@ def main() -> None:
             total_plain = total_packed = 0.0
             for (out_features, in_features), count in shapes.items():
                 layer = torch.nn.Linear(in_features, out_features, bias=False).to(dtype)
-                packed = PackedForward(layer)
+                packed = PackedLinear(layer.weight, layer.bias)
                 x = torch.randn(rows, in_features).to(dtype)
                 with torch.no_grad():
                     plain_ms = best_ms(lambda: F.linear(x, layer.weight), args.repeats)

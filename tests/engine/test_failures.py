@@ -88,8 +88,8 @@ def test_a_sampling_failure_fails_its_request_alone(monkeypatch):
 
     monkeypatch.setattr(engine, "sample", flaky)
     prompts = prompts_of([20, 20])
-    a = llm.add_request(prompts[0], SamplingParams(max_tokens=5, seed=13, ignore_eos=True))
-    b = llm.add_request(prompts[1], SamplingParams(max_tokens=5, seed=14, ignore_eos=True))
+    a = llm.add_request(prompts[0], SamplingParams(max_tokens=5, seed=13, temperature=0.7, ignore_eos=True))  # drawn by sample
+    b = llm.add_request(prompts[1], SamplingParams(max_tokens=5, seed=14, ignore_eos=True))  # greedy: drawn with the step's rows
     while llm.has_unfinished():
         llm.step()
     failed, fine = llm.output(a), llm.output(b)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import kvcompress as kvc
 from conftest import tiny_tokenizer
 from kvcompress.engine import SamplingParams
-from kvcompress.engine.sampling import penalize, sample
+from kvcompress.engine.sampling import greedy_tokens, penalize, sample
 from test_llm import make_llm, prompts_of, reference, sharp_model
 
 
@@ -32,6 +32,19 @@ def test_penalties_equal_vllms_definition(seed, prompt, output, presence, freque
     got = penalize(logits, params, prompt, output)
     want = penalized_reference(logits, prompt, output, presence, frequency, repetition)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.lists(st.sampled_from(["greedy", "penalized", "sampled"]), min_size=1, max_size=6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_greedy_tokens_are_what_sample_draws_for_plain_greedy_rows_and_none_for_the_others(seed, rows, dtype):
+    logits = (torch.randn(len(rows), 50, generator=torch.Generator().manual_seed(seed)) * 4).to(dtype).float()
+    kinds = {"greedy": SamplingParams(), "penalized": SamplingParams(repetition_penalty=1.5),
+             "sampled": SamplingParams(temperature=0.8, seed=1)}
+    params = [kinds[row] for row in rows]
+    tokens = greedy_tokens(logits, params)
+    for row, kind, p, token in zip(logits, rows, params, tokens):
+        assert (token == sample(row, p, None, [1, 2], [3])) if kind == "greedy" else token is None
 
 
 def test_no_penalty_leaves_the_logits_untouched():

@@ -38,7 +38,7 @@ from ..store.slots import PoolExhausted, SlotPool
 from .packed import pack_linears, packed_bytes, unpack_linears
 from .request import Request, RequestOutput
 from .runner import ModelRunner, Piece
-from .sampling import SamplingParams, sample, token_logprob
+from .sampling import SamplingParams, greedy_tokens, sample, token_logprob
 from .scheduler import Scheduler
 
 
@@ -68,7 +68,6 @@ class LLM:
             model_and_tokenizer = load_model(model, dtype=dtype_arg, device=device)
         self.model, self.tokenizer = model_and_tokenizer
         (pack_linears if pack_weights else unpack_linears)(self.model)
-        self.packed_weight_bytes = packed_bytes(self.model)
         facts = model_facts(self.model)
         self.max_model_len = min(max_model_len or facts.max_positions, facts.max_positions)
         weight = next(self.model.parameters())
@@ -80,7 +79,8 @@ class LLM:
         self.pool = SlotPool(facts.head_dim, dtype=weight.dtype, device=weight.device, capacity=slots,
                              initial=max(slots // 8, facts.num_layers * facts.num_kv_heads))
         self.scheduler = Scheduler(self.pool, facts.num_layers, facts.num_kv_heads, max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool, self.tokenizer)
+        self.runner = ModelRunner(self.model, self.pool, self.tokenizer, pack=pack_weights)
+        self.packed_weight_bytes = packed_bytes(self.model) + self.runner.decoder.nbytes
         self._eos = eos_ids(self.model, self.tokenizer)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
@@ -225,9 +225,11 @@ class LLM:
         else:
             self._stats["decode_s"] += elapsed
             self._stats["decode_only_tokens"] += len(requests)
-        for request, row in zip(requests, logits):
+        logits = logits.float()  # every row checked, and greedy rows drawn, at once
+        has_nan = torch.isnan(logits).any(dim=-1).tolist()
+        for request, row, nan, token in zip(requests, logits, has_nan, greedy_tokens(logits, [r.params for r in requests])):
             request.suspect = False
-            self._accept(request, row)
+            self._accept(request, row, nan, token)
         done = list(requests)
         for piece, row in zip(pieces, finals):
             piece.request.to_prefill -= piece.count
@@ -280,19 +282,21 @@ class LLM:
         """Finish one request with an error (its slots freed); the engine goes on."""
         self.scheduler.finish(request, "error", f"{stage} failed for this request ({type(error).__name__}: {error})")
 
-    def _accept(self, request: Request, logits: torch.Tensor) -> None:
-        """Sample the next token, or fail this request alone if that raises."""
+    def _accept(self, request: Request, logits: torch.Tensor, nan: bool | None = None, token: int | None = None) -> None:
+        """Sample the next token, or fail this request alone if that raises (``nan``, ``token``: whether the logits
+        hold NaN and the greedy token, where the step found them for all its rows)."""
         try:
-            self._take(request, logits)
+            self._take(request, logits, nan, token)
         except Exception as error:
             self._fail(request, "sampling", error)
 
-    def _take(self, request: Request, logits: torch.Tensor) -> None:
+    def _take(self, request: Request, logits: torch.Tensor, nan: bool | None, token: int | None) -> None:
         """Sample the next token; finish the request on end of sequence, a stop string or max_tokens."""
-        if bool(torch.isnan(logits).any()):
+        if nan if nan is not None else bool(torch.isnan(logits).any()):
             raise FloatingPointError("the model's next-token logits hold NaN (its compressed cache is broken)")
         params = request.params
-        token = sample(logits, params, request.generator, request.prompt_ids, request.output_ids)
+        if token is None:
+            token = sample(logits, params, request.generator, request.prompt_ids, request.output_ids)
         if params.logprobs is not None:
             request.logprobs.append(token_logprob(logits, token, params.logprobs))
         request.output_ids.append(token)

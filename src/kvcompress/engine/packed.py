@@ -28,17 +28,39 @@ def can_pack(module: nn.Module) -> bool:
             and hasattr(mkldnn, "_linear_pointwise"))
 
 
-class PackedForward:
-    """``nn.Linear.forward`` over a oneDNN-packed copy of the module's weight (made once, here)."""
+class PackedLinear:
+    """``F.linear(x, weight, bias)`` over a oneDNN-packed copy of ``weight`` [out, in] (made once, here)."""
 
-    def __init__(self, module: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         with torch.no_grad():
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ROWS_HINT)
-        self.bias = None if module.bias is None else module.bias.detach()
-        self.nbytes = module.weight.numel() * module.weight.element_size()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+        self.bias = None if bias is None else bias.detach()
+        self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class FusedLinear:
+    """Linear layers that take the same input, as one product: their outputs, in order. With ``pack`` (and
+    ``can_pack`` for each) the product runs over a packed copy of their weights stacked (``nbytes``); otherwise
+    each layer runs its own forward and nothing is copied."""
+
+    def __init__(self, modules: list[nn.Linear], pack: bool):
+        self.modules, self.sizes, self.packed = modules, [m.out_features for m in modules], None
+        if pack and all(can_pack(m) for m in modules):
+            weight = torch.cat([m.weight.detach() for m in modules])
+            biases = [m.bias for m in modules]
+            bias = None
+            if any(b is not None for b in biases):
+                bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, modules)])
+            self.packed = PackedLinear(weight, bias)
+        self.nbytes = 0 if self.packed is None else self.packed.nbytes
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.packed is None:
+            return [module(x) for module in self.modules]
+        return list(self.packed(x).split(self.sizes, dim=-1))
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -46,8 +68,8 @@ def pack_linears(model: nn.Module) -> int:
     weight (once: a layer already packed is left as it is). Returns the bytes of the copies made."""
     made = 0
     for module in model.modules():
-        if can_pack(module) and not isinstance(module.__dict__.get("forward"), PackedForward):
-            module.forward = PackedForward(module)
+        if can_pack(module) and not isinstance(module.__dict__.get("forward"), PackedLinear):
+            module.forward = PackedLinear(module.weight, module.bias)
             made += module.forward.nbytes
     return made
 
@@ -55,13 +77,13 @@ def pack_linears(model: nn.Module) -> int:
 def unpack_linears(model: nn.Module) -> None:
     """Back to transformers' own forward for every linear layer of ``model`` (the packed copies are let go)."""
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), PackedForward):
+        if isinstance(module.__dict__.get("forward"), PackedLinear):
             del module.forward
 
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes the packed copies of ``model``'s linear weights hold."""
-    return sum(module.forward.nbytes for module in model.modules() if isinstance(module.__dict__.get("forward"), PackedForward))
+    return sum(module.forward.nbytes for module in model.modules() if isinstance(module.__dict__.get("forward"), PackedLinear))
 
 
-__all__ = ["can_pack", "pack_linears", "packed_bytes", "unpack_linears"]
+__all__ = ["FusedLinear", "PackedLinear", "can_pack", "pack_linears", "packed_bytes", "unpack_linears"]

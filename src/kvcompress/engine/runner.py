@@ -2,8 +2,8 @@
 
 A step's forward is one row of tokens: the last token of every decoding request, then pieces of
 prompts (a whole prompt, or a chunk of a long one: chunked prefill), each at its own positions.
-In each layer the ``kvcompress`` attention function hands the row to ``_StepCache.attend``, which
-splits it: the decoding tokens write their keys and values where their requests' slot tables already
+The engine's own decoder forward (``engine/decoder.py``) runs it, and in each layer hands the row to
+``_Step.attend``, which splits it: the decoding tokens write their keys and values where their requests' slot tables already
 name them (``Session.begin_step`` took and recorded every layer's slots before the forward, once per
 request) and are read in one batched read over one joint view (heads padded to the longest), each
 request's method acting on its own rows (only methods that select or act while decoding are called per
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hf.cache import ATTENTION_NAME, CompressedCache
-from ..hf.layers import HandOverCache, PositionsLayer
-from ..models import attention_modules, cache_kwargs
+from ..hf.cache import CompressedCache
+from ..models import cache_kwargs
 from ..read import read
 from ..session import Session
 from ..store.slots import SlotPool, SlotTable
+from .decoder import Decoder
 from .request import Request
 
 
@@ -42,44 +42,42 @@ class Piece:
         return self.start + self.count == len(self.request.tokens)
 
 
-class _StepCache(HandOverCache):
+class _Step:
     """One engine step over many sessions: decoding rows first, then prompt pieces, in one row of tokens."""
 
     def __init__(self, runner: ModelRunner, sessions: list[Session], slots: torch.Tensor | None, pieces: list[Piece]):
         self.runner, self.sessions, self.slots, self.pieces = runner, sessions, slots, pieces
-        self.attention_modules = runner.modules
-        # each token's position comes with the step; the kvcompress attention ignores transformers' mask
-        super().__init__(layers=[PositionsLayer(lambda: 0) for _ in range(runner.num_layers)])
 
-    def attend(self, layer_idx, module, query, key, value, mask, scaling, position_ids, hidden=None) -> torch.Tensor:
-        """Queries [1, Hq, T, d] and new keys/values [1, H, T, d] at positions [1, T] → output [1, Hq, T, d]."""
+    def attend(self, layer_idx: int, query, key, value, positions, hidden, scaling: float) -> torch.Tensor:
+        """Queries [T, Hq, d] and new keys/values [T, H, d] at ``positions`` [T] (attention inputs ``hidden``
+        [T, D]) → output [T, Hq, d]."""
         rows, outs = len(self.sessions), []
         if rows:
-            decoding = [x[0, :, :rows].transpose(0, 1)[:, :, None] for x in (query, key, value)]  # [R, H, 1, d] each
-            step_hidden = None if hidden is None else hidden[0, :rows, None]
-            out = self.runner.decode_layer(self.sessions, layer_idx, self.slots[layer_idx], *decoding, position_ids[0, :rows, None], scaling, step_hidden)
-            outs.append(out[:, :, 0].transpose(0, 1)[None])
+            decoding = (x[:rows, :, None] for x in (query, key, value))  # [R, H, 1, d] each
+            out = self.runner.decode_layer(self.sessions, layer_idx, self.slots[layer_idx], *decoding, positions[:rows, None],
+                                           scaling, hidden[:rows, None])
+            outs.append(out[:, :, 0])
         offset = rows
         for piece in self.pieces:
             part = slice(offset, offset + piece.count)
             offset += piece.count
             session = piece.request.session
-            own_hidden = hidden[:, part] if hidden is not None and session.observe.hidden_states else None
-            tokens = (query[:, :, part], key[:, :, part], value[:, :, part], position_ids[:, part])
+            own_hidden = hidden[part][None] if session.observe.hidden_states else None
+            tokens = (*(x[part].transpose(0, 1)[None] for x in (query, key, value)), positions[part][None])
             if piece.start == 0:
-                outs.append(session.prefill(layer_idx, *tokens, scaling, hidden=own_hidden, final=piece.final))
+                out = session.prefill(layer_idx, *tokens, scaling, hidden=own_hidden, final=piece.final)
             else:
-                outs.append(session.prefill_more(layer_idx, *tokens, hidden=own_hidden, final=piece.final))
-        return torch.cat(outs, dim=2)
+                out = session.prefill_more(layer_idx, *tokens, hidden=own_hidden, final=piece.final)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
 
 
 class ModelRunner:
     """Runs the model for the engine over one slot pool (``tokenizer``: for methods that replay a prompt, KVzip)."""
 
-    def __init__(self, model, pool: SlotPool, tokenizer=None):
+    def __init__(self, model, pool: SlotPool, tokenizer=None, pack: bool = True):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
-        self.modules = attention_modules(model)
-        self.num_layers = len(self.modules)
+        self.decoder = Decoder(model, pack)
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -124,11 +122,9 @@ class ModelRunner:
                 keep.append(len(ids) - 1)
         sessions = [r.session for r in requests]
         slots = torch.stack([s.begin_step(p) for s, p in zip(sessions, positions)], dim=1) if sessions else None  # [L, R, H]
-        cache = _StepCache(self, sessions, slots, pieces)
-        if self.model.config._attn_implementation != ATTENTION_NAME:
-            raise RuntimeError("the model left the kvcompress attention implementation")
-        logits = self.model(torch.tensor([ids], device=self.device), position_ids=torch.tensor([positions], device=self.device),
-                            **cache_kwargs(cache), logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device)).logits[0]
+        step = _Step(self, sessions, slots, pieces)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        logits = self.decoder(as_tensor(ids), as_tensor(positions), step.attend, as_tensor(keep))
         finals = iter(logits[len(requests):])
         return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
 

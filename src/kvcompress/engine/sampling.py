@@ -144,6 +144,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def greedy_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> list[int | None]:
+    """For logits [R, V], each row's most likely token where its ``params`` sample greedily without penalties
+    (what ``sample`` would draw), found for all such rows at once; None for the other rows."""
+    greedy = [p.temperature < GREEDY_BELOW and not p.penalized for p in params]
+    if not any(greedy):
+        return [None] * len(params)
+    best = logits.argmax(dim=-1).tolist()
+    return [token if plain else None for token, plain in zip(best, greedy)]
+
+
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """``token``'s log-probability under the model's logits [V] and the ``top`` most likely tokens'."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -152,4 +162,4 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "penalize", "sample", "token_logprob"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "TokenLogprob", "greedy_tokens", "penalize", "sample", "token_logprob"]
