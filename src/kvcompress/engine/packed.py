@@ -9,6 +9,8 @@ copy; the weight itself stays as it was (tied embeddings, ``state_dict`` and the
 model see no change), so the packed copies cost one more set of the linear weights' bytes, reported
 by the engine. Results differ from ``F.linear`` only by the order of float32 sums (~1e-6 relative).
 The copy is made once: weights changed afterwards are not seen (the engine never changes them).
+``FusedLinear`` stacks the weights of layers that take one input (a layer's query, key and value products;
+its gate and up products) into one packed copy, for the engine's own decoder (``engine/decoder.py``).
 """
 
 from __future__ import annotations
