@@ -10,6 +10,7 @@ from common import tiny_codec, tiny_method, tiny_model
 from conftest import tiny_tokenizer
 import kvcompress as kvc
 from kvcompress.engine import SamplingParams
+from kvcompress.engine.packed import can_pack
 
 # Batched fp32 matrix products round differently from batch-1 ones (≈1e-6 relative), so a random
 # tiny model — whose next-token logits are nearly tied — could pick another token. The output layer
@@ -50,9 +51,16 @@ def run_staggered(llm, prompts, params, method=None, every=2):
     return [llm.output(i) for i in ids]
 
 
-def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_steps():
+@pytest.mark.parametrize("pack_weights", [True, False])
+def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_steps(pack_weights):
+    """The engine's own forward, its products fused over packed copies or each module's own, gives transformers'
+    tokens; the copies' bytes are what it reports."""
     model = sharp_model()
-    llm = make_llm(model)
+    llm = make_llm(model, pack_weights=pack_weights)
+    weight_bytes = {name: m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear)}
+    fused = sum(size for name, size in weight_bytes.items() if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    assert llm.packed_weight_bytes == ((sum(weight_bytes.values()) + fused) if pack_weights and can_pack(model.lm_head) else 0)
     prompts = prompts_of([40, 95, 12, 70, 33])
     outs = run_staggered(llm, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
