@@ -83,6 +83,11 @@ class SamplingParams:
         """Whether any penalty changes the logits."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def greedy(self) -> bool:
+        """Whether the most likely token is taken (temperature 0, or below what division can take)."""
+        return self.temperature < GREEDY_BELOW
+
 
 def _whole(params: SamplingParams, name: str, low: int | None = None, high: int | None = None) -> None:
     value = getattr(params, name)
@@ -128,7 +133,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token from next-token logits [V] (float32 math; greedy when the temperature is 0). ``prompt_ids``
     and ``output_ids`` are what the penalties look at."""
     logits = penalize(logits.float(), params, list(prompt_ids), list(output_ids))
-    if params.temperature < GREEDY_BELOW:
+    if params.greedy:
         return int(logits.argmax())
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
@@ -147,7 +152,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 def greedy_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> list[int | None]:
     """For logits [R, V], each row's most likely token where its ``params`` sample greedily without penalties
     (what ``sample`` would draw), found for all such rows at once; None for the other rows."""
-    greedy = [p.temperature < GREEDY_BELOW and not p.penalized for p in params]
+    greedy = [p.greedy and not p.penalized for p in params]
     if not any(greedy):
         return [None] * len(params)
     best = logits.argmax(dim=-1).tolist()

@@ -1,6 +1,6 @@
 """What every kvcompress cache shows transformers: layers that hold nothing, and a hand-over of each layer.
 
-A ``CompressedCache``, the engine's batched decoding step and KVzip's replay are ``HandOverCache``s: a
+A ``CompressedCache`` and KVzip's replay are ``HandOverCache``s (the engine's steps run its own forward): a
 layer's ``update`` marks the layer's attention module as pending for this cache (``hand_over``), and the
 kvcompress attention function takes it (``take_pending``) and lets the cache attend (``attend``), reading
 and writing the slot store itself. transformers only asks a cache layer how many token positions it has
