@@ -231,10 +231,12 @@ def test_selection_reads_exactly_the_selected_entries(seed, heads, group, log_we
 
 @settings(max_examples=30, deadline=None)
 @given(held=st.integers(0, 40), chunk=st.integers(1, 30), heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_chunk_attention_equals_the_reference_over_the_prompt_so_far(held, chunk, heads, group, dtype, seed):
-    """A prompt chunk after its held entries (the chunked prefill): two flash calls merged by their log-sum-exp
-    equal the float32 reference over the held entries and, causally, the chunk."""
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16),
+       device=st.sampled_from(["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]))
+def test_chunk_attention_equals_the_reference_over_the_prompt_so_far(held, chunk, heads, group, dtype, seed, device):
+    """A prompt chunk after its held entries (the chunked prefill): on the CPU two flash calls merged by their
+    log-sum-exp, on a GPU one SDPA call with the causal mask aligned to the last key, equal the float32 reference over
+    the held entries and, causally, the chunk."""
     g = torch.Generator().manual_seed(seed)
     dim, total = 8, held + chunk
     keys, values = torch.randn(1, heads, total, dim, generator=g), torch.randn(1, heads, total, dim, generator=g)
@@ -243,7 +245,7 @@ def test_chunk_attention_equals_the_reference_over_the_prompt_so_far(held, chunk
     expected, _, _ = attend_reference(group_queries(query, heads), keys, values, dim**-0.5,
                                       query_positions=torch.arange(held, total)[None], key_positions=positions)
     expected = expected.reshape(1, heads * group, chunk, dim)
-    cast = [x.to(dtype) for x in (query, keys[:, :, :held], values[:, :, :held], keys[:, :, held:], values[:, :, held:])]
-    out = chunk_attention(*cast, dim**-0.5)
+    cast = [x.to(device, dtype) for x in (query, keys[:, :, :held], values[:, :, :held], keys[:, :, held:], values[:, :, held:])]
+    out = chunk_attention(*cast, dim**-0.5).cpu()
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)

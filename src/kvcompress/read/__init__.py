@@ -111,7 +111,7 @@ def _read_pages(query: torch.Tensor, view: KVView, scaling: float, weights: bool
     keys, values, kivi = pages.arrays()
     rows, hq, length = query.shape[0], query.shape[1], view.shape[2]
     scores = torch.full((rows, hq, length), -math.inf, device=query.device) if weights else None
-    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi, scores)
+    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi, scores, length)
     if scores is not None:
         scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # in place; exp(-inf) = 0 on holes
     return out, lse, scores

@@ -79,10 +79,11 @@ def _ninja_on_path() -> None:
 
 def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
                  log_weights: list[torch.Tensor | None] | None, scaling: float, kivi: KiviBlocks | None = None,
-                 scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention over slot tables (see the module docstring): (out [R, Hq, d], lse [R, Hq] float32)."""
+                 scores: torch.Tensor | None = None, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over slot tables (see the module docstring): (out [R, Hq, d], lse [R, Hq] float32).
+    ``longest``: the longest head's length where the caller knows it (spares the GPU read a wait for ``lengths``)."""
     if query.device.type == "cuda" and (triton_read := triton_kernel()) is not None:
-        return triton_read(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
+        return triton_read(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores, longest)
     kernel = cpu_kernel() if query.device.type == "cpu" else None
     if kernel is None:
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)

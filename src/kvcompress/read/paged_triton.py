@@ -2,15 +2,24 @@
 
 Same contract as ``paged.paged_decode`` (see its module docstring). The rows' slot tables (and log-weights)
 are stacked into one int32 [R, H, L] table first (4 bytes per entry, against the 2·d·bytes of the entry it
-names). A program reads one split of ``SPLIT`` entries of one (row, KV head) in blocks of ``BLOCK``: it
-loads the slots, then the keys and values they name straight from the pool, and keeps an online softmax
-for the head's GQA group in float32 (flash-decoding); the splits are merged by log-sum-exp afterwards. Entries of
-the KIVI tier (``KIVI``: its tier, bits, block and channel group as constants) are unpacked and dequantised where
-they are loaded: key = zero + code · scale per channel (the block's; its codes laid out channel by channel across the
-block's entries), value the same per channel group (the entry's).
+names). A program reads one split of a (row, KV head)'s entries in blocks of ``Tuning.block``: it loads the slots,
+then the keys and values they name straight from the pool, and keeps an online softmax for the head's GQA group in
+float32 (flash-decoding); a second kernel merges the splits by log-sum-exp. Splits are sized so that the programs
+fill the GPU (a few per multiprocessor) however few the rows. Entries of the KIVI tier (``KIVI``: its tier, bits,
+block and channel group as constants) are unpacked and dequantised where they are loaded: key = zero + code · scale
+per channel (the block's; its codes laid out channel by channel across the block's entries), value the same per
+channel group (the entry's).
+
+Precision: a float32 pool is read with float32 products throughout. A bfloat16 or float16 pool's products run on the
+GPU's matrix units in TF32, which holds every 16-bit entry exactly: only the scaled query and the softmax weights are
+rounded (to TF32's 10-bit mantissa); the accumulation, the softmax statistics and the sums stay float32. (Triton's
+interpreter computes TF32 products in float32.)
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -19,9 +28,6 @@ import triton.language as tl
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
 from ..store.view import KiviBlocks
 from .tables import KIVI_FIELDS, stacked, stacked_log_weights
-
-SPLIT = 512
-BLOCK = 64
 
 
 @triton.jit
@@ -53,18 +59,36 @@ def _key_codes(codes, entry, block, mask, dims, DIM: tl.constexpr, BITS: tl.cons
     return (packed >> ((offset % per)[:, None] * BITS).to(tl.int32)) & ((1 << BITS) - 1)
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shape of the split kernel: entries per block, warps per program, software-pipelining stages, and the
+    fewest entries a split may hold (``benchmarks/gpu_kernels.py`` sweeps these on a GPU)."""
+
+    block: int = 64
+    warps: int = 4
+    stages: int = 2
+    min_split: int = 256
+
+
+# Measured on an H100 (runs/gpu_h100): block 128 read plain entries 1.24× faster in one case but overflowed shared
+# memory in the engine at 32k entries; blocks of 32 without pipelining read KIVI-coded entries 2.0–2.5× faster.
+TUNING = Tuning()
+KIVI_TUNING = Tuning(block=32, stages=1)
+PROGRAMS_PER_SM = 4  # splits per (row, head) are chosen so that the split kernel launches about this many per multiprocessor
+
+
 @triton.jit
 def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_zero, key_scale, value_codes, value_zero, value_scale,
                   part_acc, part_max, part_sum, scores, scores_stride, scaling, table_row_stride, table_head_stride, splits,
-                  num_slots, kivi_blocks, HAS_SCORES: tl.constexpr,
+                  split_len, num_slots, kivi_blocks, HAS_SCORES: tl.constexpr,
                   HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr,
-                  DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                  DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
                   KIVI_TIER: tl.constexpr, BITS: tl.constexpr, KIVI_GROUP: tl.constexpr, CHANNEL_GROUP: tl.constexpr,
                   TIER_SHIFT: tl.constexpr, ENTRY_MASK: tl.constexpr):
     row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths + row * HEADS + head)
-    begin = split * SPLIT
-    end = tl.minimum(length, begin + SPLIT)
+    begin = split * split_len
+    end = tl.minimum(length, begin + split_len)
     group = tl.arange(0, GROUPS_PAD)
     dims = tl.arange(0, DIM_PAD)
     in_dim = dims < DIM
@@ -94,7 +118,7 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
             v += _dequantised(_value_codes(value_codes, entry, mask, dims, DIM, BITS), value_zero, value_scale, entry, mask, dims,
                               DIM // CHANNEL_GROUP, CHANNEL_GROUP)
             seen = plain | coded
-        logits = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GROUPS_PAD, BLOCK]
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUPS_PAD, BLOCK]
         if HAS_WEIGHTS:
             logits += tl.load(weights + row * table_row_stride + head * table_head_stride + column, mask=inside, other=0.0)[None, :]
         logits = tl.where(seen[None, :], logits, float("-inf"))
@@ -105,7 +129,7 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
         rescale = tl.exp(top - shift)  # 0 while nothing was seen
         p = tl.exp(logits - shift[:, None])  # 0 on holes
         total = total * rescale + tl.sum(p, 1)
-        acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * rescale[:, None] + tl.dot(p, v, input_precision=PRECISION)
         top = new_top
     part = (row * HEADS + head) * splits + split
     tl.store(part_acc + (part * GROUPS_PAD + group)[:, None] * DIM_PAD + dims[None, :], acc)
@@ -113,18 +137,54 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
     tl.store(part_sum + part * GROUPS_PAD + group, total)
 
 
+@triton.jit
+def _merge_kernel(part_acc, part_max, part_sum, out, lse, splits, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr,
+                  DIM_PAD: tl.constexpr):
+    """One (row, KV head): its splits' unnormalised outputs and sums, rescaled to a running max, into the output
+    (in its dtype) and the log-sum-exp (-inf, output 0, where nothing was seen)."""
+    pair = tl.program_id(0)
+    group = tl.arange(0, GROUPS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    top = tl.full([GROUPS_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUPS_PAD], tl.float32)
+    acc = tl.zeros([GROUPS_PAD, DIM_PAD], tl.float32)
+    for split in range(0, splits):
+        part = pair * splits + split
+        part_top = tl.load(part_max + part * GROUPS_PAD + group)
+        new_top = tl.maximum(top, part_top)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        old, new = tl.exp(top - shift), tl.exp(part_top - shift)  # 0 for what saw nothing
+        total = total * old + tl.load(part_sum + part * GROUPS_PAD + group) * new
+        acc = acc * old[:, None] + tl.load(part_acc + (part * GROUPS_PAD + group)[:, None] * DIM_PAD + dims[None, :]) * new[:, None]
+        top = new_top
+    output = acc / tl.where(total > 0, total, 1.0)[:, None]
+    rows = pair * GROUPS + group
+    tl.store(out + rows[:, None] * DIM + dims[None, :], output.to(out.dtype.element_ty), mask=(group < GROUPS)[:, None] & (dims < DIM)[None, :])
+    tl.store(lse + rows, tl.where(total > 0, top + tl.log(total), float("-inf")), mask=group < GROUPS)
+
+
 def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
                         lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float,
-                        kivi: KiviBlocks | None = None, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged.paged_decode``'s contract in Triton: (out [R, Hq, d] in the query's dtype, lse [R, Hq] float32)."""
+                        kivi: KiviBlocks | None = None, scores: torch.Tensor | None = None, longest: int | None = None,
+                        split: int | None = None, tuning: Tuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged.paged_decode``'s contract in Triton: (out [R, Hq, d] in the query's dtype, lse [R, Hq] float32).
+    ``longest``: the longest head's length where the caller knows it (else read back from ``lengths``, which waits
+    for the GPU); ``split``: entries per split (a multiple of ``tuning.block``), None to size splits to fill the GPU;
+    ``tuning``: the split kernel's launch shape (None: ``TUNING``, or ``KIVI_TUNING`` where coded entries may be read)."""
     rows, hq, dim = query.shape
     heads = lengths.shape[1]
     groups = hq // heads
     device = query.device
-    longest = max(1, int(lengths.max())) if lengths.numel() else 1
+    if longest is None:
+        longest = int(lengths.max()) if lengths.numel() else 0
+    longest = max(1, longest)
+    tuning = tuning or (TUNING if kivi is None else KIVI_TUNING)
     slots = stacked(tables, longest, 0)
     weights = stacked_log_weights(tables, log_weights, longest)
-    splits = triton.cdiv(longest, SPLIT)
+    split = split or split_size(rows * heads, longest, device, tuning)
+    if split % tuning.block:
+        raise ValueError(f"split={split} must be a multiple of the kernel's block ({tuning.block})")
+    splits = triton.cdiv(longest, split)
     groups_pad, dim_pad = max(16, triton.next_power_of_2(groups)), max(16, triton.next_power_of_2(dim))
     part_acc = torch.empty(rows, heads, splits, groups_pad, dim_pad, dtype=torch.float32, device=device)
     part_max = torch.empty(rows, heads, splits, groups_pad, dtype=torch.float32, device=device)
@@ -133,20 +193,32 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     _split_kernel[(rows, heads, splits)](
         query.contiguous(), keys, values, slots, lengths.to(device=device, dtype=torch.int64).contiguous(),
         slots if weights is None else weights, *coded, part_acc, part_max, part_sum, part_max if scores is None else scores,
-        0 if scores is None else scores.stride(1), scaling, slots.stride(0), slots.stride(1), splits, keys.shape[0], coded[0].shape[0],
-        HAS_SCORES=scores is not None, HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad, SPLIT=SPLIT,
-        BLOCK=BLOCK, HAS_WEIGHTS=weights is not None, KIVI_TIER=0 if kivi is None else kivi.tier,
-        BITS=2 if kivi is None else kivi.codec.bits, KIVI_GROUP=1 if kivi is None else kivi.codec.block_size,
-        CHANNEL_GROUP=dim if kivi is None else kivi.codec.channel_group(dim), TIER_SHIFT=TIER_SHIFT, ENTRY_MASK=ENTRY_MASK)
-    # merge the splits: each one's unnormalised output and sum, rescaled to the largest max
-    part_max, part_sum = part_max[..., :groups], part_sum[..., :groups]
-    part_acc = part_acc[..., :groups, :dim]
-    top = part_max.amax(2, keepdim=True)
-    scale = torch.exp(part_max - torch.where(torch.isinf(top), 0.0, top))  # 0 for an empty split
-    total = (part_sum * scale).sum(2)  # [R, H, G]
-    out = (part_acc * scale[..., None]).sum(2) / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, top[:, :, 0] + torch.log(total), float("-inf"))
-    return out.reshape(rows, hq, dim).to(query.dtype), lse.reshape(rows, hq)
+        0 if scores is None else scores.stride(1), scaling, slots.stride(0), slots.stride(1), splits, split, keys.shape[0],
+        coded[0].shape[0], HAS_SCORES=scores is not None, HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim,
+        DIM_PAD=dim_pad, BLOCK=tuning.block, HAS_WEIGHTS=weights is not None, PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
+        KIVI_TIER=0 if kivi is None else kivi.tier, BITS=2 if kivi is None else kivi.codec.bits,
+        KIVI_GROUP=1 if kivi is None else kivi.codec.block_size, CHANNEL_GROUP=dim if kivi is None else kivi.codec.channel_group(dim),
+        TIER_SHIFT=TIER_SHIFT, ENTRY_MASK=ENTRY_MASK, num_warps=tuning.warps, num_stages=tuning.stages)
+    out = torch.empty(rows, hq, dim, dtype=query.dtype, device=device)
+    lse = torch.empty(rows, hq, dtype=torch.float32, device=device)
+    _merge_kernel[(rows * heads,)](part_acc, part_max, part_sum, out, lse, splits, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim,
+                                   DIM_PAD=dim_pad)
+    return out, lse
 
 
-__all__ = ["paged_decode_triton"]
+def split_size(pairs: int, longest: int, device: torch.device, tuning: Tuning = TUNING) -> int:
+    """Entries per split: few enough that ``pairs`` (row, head) pairs launch about ``PROGRAMS_PER_SM`` programs per
+    multiprocessor, at least ``tuning.min_split``; one split per head on the CPU (Triton's interpreter)."""
+    blocks = triton.cdiv(longest, tuning.block)
+    if device.type != "cuda":
+        return blocks * tuning.block
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), pairs)  # splits per pair
+    return max(triton.cdiv(blocks, wanted) * tuning.block, min(tuning.min_split, blocks * tuning.block))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+__all__ = ["KIVI_TUNING", "TUNING", "Tuning", "paged_decode_triton", "split_size"]

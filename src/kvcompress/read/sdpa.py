@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..store.view import KVView
 from .reference import group_queries, merge_lse
@@ -180,13 +181,18 @@ def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                     new_values: torch.Tensor, scaling: float) -> torch.Tensor:
     """A prompt chunk's causal attention after held entries that are all real and all before it (a chunked
     prefill): queries [B, Hq, c, d] over the held keys/values [B, H, L, d] and, causally, the chunk's own
-    [B, H, c, d] → [B, Hq, c, d] in the query's dtype. Two flash calls without a mask — the held entries with the
-    GQA group folded into the query axis, the chunk over itself as the causal square — merged by their
-    log-sum-exp (the CPU flash kernel; elsewhere ``read_masked`` over one view)."""
+    [B, H, c, d] → [B, Hq, c, d] in the query's dtype. On the CPU, two flash calls without a mask — the held
+    entries with the GQA group folded into the query axis, the chunk over itself as the causal square — merged by
+    their log-sum-exp; on a GPU, one SDPA call with the causal mask aligned to the last key (PyTorch's
+    ``causal_lower_right``, which its fused kernels apply without making a [c, L + c] matrix)."""
     b, hq, c, d = query.shape
     heads, length = keys.shape[1], keys.shape[2]
     groups = hq // heads
-    if query.device.type != "cpu" or _CPU_FLASH is None:
+    if query.device.type != "cpu":
+        every_key, every_value = (repeat_kv(torch.cat([held, new], dim=2), groups).to(query.dtype) for held, new in
+                                  ((keys, new_keys), (values, new_values)))
+        return F.scaled_dot_product_attention(query, every_key, every_value, attn_mask=causal_lower_right(c, length + c), scale=scaling)
+    if _CPU_FLASH is None:
         positions = torch.arange(length + c, device=query.device).expand(b, heads, length + c)
         whole = KVView.of(torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2), positions)
         return read_masked(query, positions[:, 0, length:], whole, scaling)[0]
