@@ -215,7 +215,7 @@ def bench_engine(llm, methods: list[Policy | None], *, requests: int, context_to
             "end_to_end_tokens_per_s": new_tokens / wall,
             "ttft_s_median": _percentile(ttft, 0.5), "ttft_s_p90": _percentile(ttft, 0.9),
             "tpot_ms_median": _percentile(tpot, 0.5), "tpot_ms_p90": _percentile(tpot, 0.9),
-            "preemptions": stats["preemptions"], "pool_peak_bytes": stats["pool_peak_bytes"],
+            "preemptions": stats["preemptions"], "pool_peak_bytes": stats["pool_peak_bytes"], "first_error": errors[0] if errors else None,
             "pool_allocated_bytes": stats["pool_allocated_bytes"],
             "pool_used_bytes_after": stats["pool_used_bytes"], "errors": len(errors), "wall_s": wall,
             "kr": sum(o.stats.get("kr", 1.0) for o in outs) / len(outs),
