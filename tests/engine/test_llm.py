@@ -269,6 +269,20 @@ def test_stop_strings_and_end_of_sequence_finish_a_request():
         assert ended.finish_reason == "stop" and ended.token_ids[-1] == eos
 
 
+def test_a_stop_string_spanning_two_tokens_ends_the_request_at_the_token_that_completes_it():
+    model = sharp_model()
+    llm = make_llm(model)
+    tokenizer = tiny_tokenizer()
+    prompt = prompts_of([30], seed=8)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    words = full.text.split()
+    stop = f"{words[0][-1]} {words[1][:2]}"  # the end of one token's word, the space and the start of the next's
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, stop=["absent", stop], ignore_eos=True))[0]
+    taken = next(count for count in range(1, 13) if stop in tokenizer.decode(full.token_ids[:count], skip_special_tokens=True))
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+    assert out.token_ids == full.token_ids[:taken]
+
+
 @settings(max_examples=15, deadline=None)
 @given(lengths=st.lists(st.integers(3, 90), min_size=1, max_size=6), max_tokens=st.lists(st.integers(1, 12), min_size=6, max_size=6),
        memory=st.sampled_from([128 * 4 * 120, 128 * 4 * 260, 128 * 4 * 2000]), abort=st.integers(-1, 5), seed=st.integers(0, 100),

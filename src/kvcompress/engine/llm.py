@@ -35,6 +35,7 @@ from ..generate import eos_ids
 from ..methods import Policy, get_method
 from ..models import load_model, model_facts
 from ..store.slots import PoolExhausted, SlotPool
+from .detokenizer import IncrementalDetokenizer
 from .packed import pack_linears, packed_bytes, unpack_linears
 from .request import Request, RequestOutput
 from .runner import ModelRunner, Piece
@@ -302,13 +303,9 @@ class LLM:
         request.output_ids.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
-        request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-        reason = None
-        if token in self._eos and not request.params.ignore_eos:
+        reason = "stop" if token in self._eos and not params.ignore_eos else None
+        if self._extend_text(request):
             reason = "stop"
-        stop = next((s for s in request.params.stop if s in request.text), None)
-        if stop is not None:
-            request.text, reason = request.text[: request.text.index(stop)], "stop"
         elif len(request.output_ids) >= request.params.max_tokens or len(request.tokens) >= self.max_model_len:
             reason = reason or "length"
         if reason is not None:
@@ -316,6 +313,23 @@ class LLM:
             request.stats.update(kv_bytes_end=stats["kv_bytes"], kv_bytes_full_end=stats["kv_bytes_full"], kr_end=stats["kr"],
                                  cr=stats["cr"])  # entries read per decoding step ÷ full, over its steps
             self.scheduler.finish(request, reason)
+
+    @staticmethod
+    def _extend_text(request: Request) -> bool:
+        """Add the text its newest token completes (``engine/detokenizer.py``); whether a stop string turned up,
+        the text then cut before it. Only the new text (and the text held back after it) is searched, with the
+        characters before it that a stop string begun there would span."""
+        stops = request.params.stop
+        start = max(len(request.text) - max((len(s) for s in stops), default=0) + 1, 0)
+        request.text += request.detokenizer.step(request.output_ids)
+        if not stops:
+            return False
+        searched = request.text[start:] + request.detokenizer.held
+        at = next((found for found in (searched.find(s) for s in stops) if found >= 0), None)
+        if at is None:
+            return False
+        request.text = (request.text + request.detokenizer.flush())[: start + at]
+        return True
 
     # ----- checks -------------------------------------------------------------------------------
     @staticmethod
@@ -371,7 +385,7 @@ class LLM:
         return ids
 
     def _add(self, ids: list[int], params: SamplingParams, method: Policy, index: int = 0) -> Request:
-        request = Request(next(self._ids), ids, params, method, index)
+        request = Request(next(self._ids), ids, params, method, index, detokenizer=IncrementalDetokenizer(self.tokenizer))
         seed = params.seed + index if params.seed is not None else self.config.seed * 1_000_003 + request.id
         request.generator = torch.Generator().manual_seed(seed)
         self._requests[request.id] = request

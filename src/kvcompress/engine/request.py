@@ -11,6 +11,7 @@ import torch
 
 from ..methods import Policy
 from ..session import Session
+from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams, TokenLogprob
 
 
@@ -54,6 +55,7 @@ class Request:
     session: Session | None = None
     generator: torch.Generator | None = None
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # the engine's: grows ``text`` token by token
     finish_reason: str | None = None
     error: str | None = None
     first_token_at: float | None = None
@@ -80,6 +82,9 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        """Done: the text held back for an incomplete character at its end is added as decode shows it."""
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.flush()
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
         self.finished_at = time.perf_counter()
 
