@@ -128,10 +128,10 @@ def test_selection_over_coded_storage_decodes_only_the_entries_it_reads(monkeypa
     original_decode, original_paged = KiviCodec.decode, read_module.paged_decode
     monkeypatch.setattr(KiviCodec, "decode", lambda self, arrays, entries: decoded.append(entries.numel()) or original_decode(self, arrays, entries))
 
-    def spy(query, keys, values, tables, lengths, log_weights, scaling, kivi=None, scores=None):
+    def spy(query, keys, values, tables, lengths, log_weights, scaling, kivi=None, scores=None, longest=None):
         named = sum(int((t[h, : int(lengths[r, h])] != 0).sum()) for r, t in enumerate(tables) for h in range(t.shape[0]))
         paged.append((named, kivi is not None))
-        return original_paged(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
+        return original_paged(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores, longest)
 
     monkeypatch.setattr(read_module, "paged_decode", spy)
     model = tiny_model(seed=6, layers=4)
