@@ -32,7 +32,7 @@ import triton
 import triton.testing
 
 from kvcompress.read.paged import paged_decode_torch
-from kvcompress.read.paged_triton import KIVI_TUNING, TUNING, Tuning, paged_decode_triton, split_size
+from kvcompress.read.paged_triton import KIVI_TUNING, TUNING, Tuning, multiprocessor_count, paged_decode_triton, split_size
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.store.slots import TIER_SHIFT
 from kvcompress.store.view import KiviBlocks
@@ -166,7 +166,7 @@ def main() -> None:
                 for kind in ("plain", "holes", "weighted", "kivi2"):
                     case = make_case(shape, rows, context, kind, device)
                     row = {"shape": shape, "rows": rows, "context": context, "kind": kind,
-                           "split": split_size(rows * SHAPES[shape][1], context, device, tuning or (KIVI_TUNING if kind == "kivi2" else TUNING)), **time_read(case, tuning),
+                           "split": split_size(rows * SHAPES[shape][1], context, multiprocessor_count(device), tuning or (KIVI_TUNING if kind == "kivi2" else TUNING)), **time_read(case, tuning),
                            "rel_error": error_against_reference(case, tuning)}
                     if kind == "plain":
                         row.update(dense_sdpa(shape, rows, context, device))

@@ -106,11 +106,30 @@ def test_the_triton_read_equals_the_reference_read(rows, heads, groups, dim, dat
     triton_read = functools.partial(pytest.importorskip("kvcompress.read.paged_triton").paged_decode_triton, split=split)
     triton_read.__name__ = f"paged_decode_triton(split={split})"
     _check_against_reference((triton_read,), rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits, group_size,
-                             device=TRITON_DEVICE, tolerance=TRITON_TOLERANCE[dtype])
+                             device=TRITON_DEVICE, tolerance=TRITON_TOLERANCE[dtype], longer=split is not None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.integers(1, 4096), longest=st.integers(0, 200_000), sms=st.sampled_from([None, 1, 16, 132]), kivi=st.booleans())
+def test_splits_cover_each_head_in_blocks_and_fill_the_gpu_without_flooding_it(pairs, longest, sms, kivi):
+    """A split is whole blocks, at least the smallest split (or the whole head), and the splits cover the head; one
+    split per head off a GPU; on one, no more programs than about PROGRAMS_PER_SM per multiprocessor."""
+    paged_triton = pytest.importorskip("kvcompress.read.paged_triton")
+    tuning = paged_triton.KIVI_TUNING if kivi else paged_triton.TUNING
+    split = paged_triton.split_size(pairs, longest, sms, tuning)
+    whole = -(-max(1, longest) // tuning.block) * tuning.block
+    assert split % tuning.block == 0 and split >= min(tuning.min_split, whole) and split * -(-longest // split) >= longest
+    splits = -(-max(1, longest) // split)
+    if sms is None:
+        assert splits == 1
+    else:
+        assert pairs * splits < paged_triton.PROGRAMS_PER_SM * sms + pairs
 
 
 def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits, group_size,
-                             device="cpu", tolerance=None):
+                             device="cpu", tolerance=None, longer=False):
+    """``longer``: also read with the longest head given as longer than it is (more, empty splits), which must
+    change nothing."""
     tolerance = tolerance or TOLERANCE[dtype]
     lengths = data.draw(st.lists(st.sampled_from([0, 1, 5, 63, 64, 65, 511, 513, 1100]), min_size=rows * heads, max_size=rows * heads))
     query, keys, values, tables, lengths, log_weights, view, kivi = _case(seed, rows, heads, groups, dim, lengths, hole_rate, weighted,
@@ -130,6 +149,10 @@ def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, w
         assert torch.allclose(lse[finite], ref_lse[:, :, 0][finite], atol=tolerance, rtol=tolerance), fn.__name__
         assert torch.allclose(out, ref_out[:, :, 0], atol=tolerance * 10, rtol=tolerance), fn.__name__
         assert bool((out[~finite] == 0).all())
+        if longer:
+            out_longer, lse_longer = (t.cpu() for t in fn(query, keys, values, tables, lengths, log_weights, scaling, kivi, None,
+                                                          int(lengths.max()) + 700))
+            assert torch.equal(out_longer, out) and torch.equal(lse_longer, lse), fn.__name__
         # asked for, the logits are written in place (3 spare columns stay as they were); the read is unchanged
         scores = torch.full((rows, heads * groups, longest + 3), -math.inf, device=device)
         out_again, lse_again = (t.cpu() for t in fn(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores))

@@ -181,7 +181,7 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     tuning = tuning or (TUNING if kivi is None else KIVI_TUNING)
     slots = stacked(tables, longest, 0)
     weights = stacked_log_weights(tables, log_weights, longest)
-    split = split or split_size(rows * heads, longest, device, tuning)
+    split = split or split_size(rows * heads, longest, multiprocessor_count(device), tuning)
     if split % tuning.block:
         raise ValueError(f"split={split} must be a multiple of the kernel's block ({tuning.block})")
     splits = triton.cdiv(longest, split)
@@ -206,19 +206,21 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     return out, lse
 
 
-def split_size(pairs: int, longest: int, device: torch.device, tuning: Tuning = TUNING) -> int:
+def split_size(pairs: int, longest: int, multiprocessors: int | None, tuning: Tuning = TUNING) -> int:
     """Entries per split: few enough that ``pairs`` (row, head) pairs launch about ``PROGRAMS_PER_SM`` programs per
-    multiprocessor, at least ``tuning.min_split``; one split per head on the CPU (Triton's interpreter)."""
-    blocks = triton.cdiv(longest, tuning.block)
-    if device.type != "cuda":
+    multiprocessor, at least ``tuning.min_split`` (or the whole head, if shorter), a multiple of ``tuning.block``;
+    one split per head where ``multiprocessors`` is None (Triton's interpreter)."""
+    blocks = triton.cdiv(max(1, longest), tuning.block)
+    if multiprocessors is None:
         return blocks * tuning.block
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), pairs)  # splits per pair
-    return max(triton.cdiv(blocks, wanted) * tuning.block, min(tuning.min_split, blocks * tuning.block))
+    wanted = triton.cdiv(PROGRAMS_PER_SM * multiprocessors, max(1, pairs))  # splits per pair
+    return max(triton.cdiv(blocks, wanted), min(triton.cdiv(tuning.min_split, tuning.block), blocks)) * tuning.block
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def multiprocessor_count(device: torch.device) -> int | None:
+    """The GPU's multiprocessor count; None off a GPU."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-__all__ = ["KIVI_TUNING", "TUNING", "Tuning", "paged_decode_triton", "split_size"]
+__all__ = ["KIVI_TUNING", "TUNING", "Tuning", "multiprocessor_count", "paged_decode_triton", "split_size"]
