@@ -1,5 +1,5 @@
-"""The engine's oneDNN-packed linear layers: the same products as ``F.linear`` (to float32 rounding), once per layer,
-undone on request; the engine's answers unchanged."""
+"""The engine's oneDNN-packed linear layers: the same products as ``F.linear`` (to float32 rounding); the engine's
+decoder holds one packed copy of every linear weight and leaves the model's own modules as they were."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import tiny_model
-from kvcompress.engine.packed import can_pack, pack_linears, packed_bytes, unpack_linears
+from kvcompress.engine.decoder import Decoder
+from kvcompress.engine.packed import PackedLinear, can_pack, packed_or_own
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.nn.Linear(2, 2)), reason="this torch build has no oneDNN packed linear")
 
@@ -22,24 +23,21 @@ def test_a_packed_linear_computes_what_f_linear_does(rows, lead, bias, dtype, se
     x = torch.randn(*lead, rows, 48).to(dtype)
     with torch.no_grad():
         expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-        pack_linears(layer)
-        out = layer(x)
+        packed = packed_or_own(layer, pack=True)
+        out = packed(x)
+    assert isinstance(packed, PackedLinear) and packed_or_own(layer, pack=False) is layer
     assert out.shape == expected.shape and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance * float(expected.abs().max()), rtol=tolerance)
 
 
-def test_packing_is_done_once_counted_and_undone():
+def test_the_decoder_packs_each_linear_weight_once_and_leaves_the_model_as_it_was():
     model = tiny_model(seed=2, layers=2)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         before = model(ids).logits
-        made = pack_linears(model)
-        assert made == weight_bytes == packed_bytes(model) and pack_linears(model) == 0  # a second call packs nothing
-        packed = model(ids).logits
-        unpack_linears(model)
-        assert packed_bytes(model) == 0 and torch.equal(model(ids).logits, before)
-    torch.testing.assert_close(packed, before, atol=1e-4, rtol=1e-4)
-    assert all(isinstance(m.weight, torch.nn.Parameter) for m in linears)  # the weights themselves untouched
+        assert Decoder(model, pack=True).nbytes == weight_bytes and Decoder(model, pack=False).nbytes == 0
+        assert torch.equal(model(ids).logits, before)  # transformers' own products, as before
+    assert all("forward" not in m.__dict__ and isinstance(m.weight, torch.nn.Parameter) for m in linears)

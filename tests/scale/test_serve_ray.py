@@ -174,10 +174,14 @@ def test_the_command_serves_on_ray_and_stops_on_sigterm(tiny_checkpoint, tmp_pat
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tempfile.mkdtemp(prefix="kvc-ray-", dir="/tmp")}
     command = [sys.executable, "-m", "kvcompress.cli", "serve", "--model", str(tiny_checkpoint("llama")), "--replicas", "1",
                "--kv-memory", "4MiB", "--port", str(port), "--quiet"]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server, timeout_s=180)
+        try:
+            wait_healthy(url, server, timeout_s=180)
+        except RuntimeError as error:  # say why: the server's own last words
+            raise AssertionError(f"{error} (exit code {server.poll()}); its log ends:\n{log.read_text()[-3000:]}") from error
         answer = _client(url).completions.create(model=_client(url).models.list().data[0].id, prompt="w3 w4 w5", max_tokens=3)
         assert answer.usage.completion_tokens >= 1
         server.send_signal(signal.SIGTERM)

@@ -6,9 +6,9 @@ work costs as much as the attention itself. An engine step needs none of it: eac
 position, the runner attends (``attend``) and no mask is needed. ``Decoder`` computes what transformers'
 Llama, Mistral, Qwen2 and Qwen3 decoder layers compute, with the layers' own norms, rotary embedding and
 activation in the same order, over one row of tokens [T, D]. Where the engine packs weights
-(``engine/packed.py``) the query, key and value products are one product and the gate and up products
-another, over packed copies of the weights stacked (``nbytes``); results then differ from transformers'
-only by the order of float32 sums inside those products.
+(``engine/packed.py``) every linear product runs over a packed copy of its weight, the query, key and value
+products as one product and the gate and up products as another (their weights stacked); ``nbytes`` counts the
+copies. Results then differ from transformers' only by the order of float32 sums inside those products.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from ..models import decoder_stack, model_facts
-from .packed import FusedLinear
+from .packed import FusedLinear, copy_bytes, packed_or_own
 
 # (layer, queries [T, Hq, d], keys [T, H, d], values [T, H, d] after RoPE, positions [T], attention inputs [T, D],
 # scaling) → attention output [T, Hq, d]
@@ -40,9 +40,10 @@ class _Layer:
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = FusedLinear([attention.q_proj, attention.k_proj, attention.v_proj], pack)
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)  # Qwen3
-        self.o_proj, self.scaling, self.head_dim = attention.o_proj, attention.scaling, head_dim
+        self.o_proj, self.scaling, self.head_dim = packed_or_own(attention.o_proj, pack), attention.scaling, head_dim
         self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack)
-        self.down_proj, self.act = mlp.down_proj, mlp.act_fn
+        self.down_proj, self.act = packed_or_own(mlp.down_proj, pack), mlp.act_fn
+        self.nbytes = sum(copy_bytes(p) for p in (self.qkv, self.o_proj, self.gate_up, self.down_proj))
 
     def __call__(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  attend: Attend) -> torch.Tensor:
@@ -58,13 +59,15 @@ class _Layer:
 
 
 class Decoder:
-    """A supported causal LM's forward for the engine (``pack``: fuse products over packed weight copies)."""
+    """A supported causal LM's forward for the engine (``pack``: products over packed weight copies, ``nbytes`` of
+    them; else each module's own)."""
 
     def __init__(self, model: nn.Module, pack: bool):
         stack, facts = decoder_stack(model), model_facts(model)
-        self.embed, self.rotary, self.norm, self.lm_head = stack.embed_tokens, stack.rotary_emb, stack.norm, model.lm_head
+        self.embed, self.rotary, self.norm = stack.embed_tokens, stack.rotary_emb, stack.norm
+        self.lm_head = packed_or_own(model.lm_head, pack)
         self.layers = [_Layer(layer, facts.head_dim, pack) for layer in stack.layers]
-        self.nbytes = sum(layer.qkv.nbytes + layer.gate_up.nbytes for layer in self.layers)
+        self.nbytes = copy_bytes(self.lm_head) + sum(layer.nbytes for layer in self.layers)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ from ..methods import Policy, get_method
 from ..models import load_model, model_facts
 from ..store.slots import PoolExhausted, SlotPool
 from .detokenizer import IncrementalDetokenizer
-from .packed import pack_linears, packed_bytes, unpack_linears
 from .request import Request, RequestOutput
 from .runner import ModelRunner, Piece
 from .sampling import SamplingParams, greedy_tokens, sample, token_logprob
@@ -54,9 +53,9 @@ class LLM:
             a longer prompt is prefilled in chunks).
         dtype, device, seed, max_model_len: see ``kvcompress.config.Config``.
         model_and_tokenizer: an already loaded (model, tokenizer) pair instead of ``model``.
-        pack_weights: on the CPU, run the model's linear layers over oneDNN-packed copies of their weights
-            (``engine/packed.py``: about 2.4× faster products, one more copy of those weights' bytes, in
-            ``packed_weight_bytes``); False: transformers' own.
+        pack_weights: on the CPU, run the model's linear layers in the engine's decoder over oneDNN-packed copies
+            of their weights (``engine/packed.py``: about 2.4× faster products, one more copy of those weights' bytes,
+            in ``packed_weight_bytes``; the model's own modules are left as they are); False: transformers' own.
     """
 
     def __init__(self, model: str | None = None, kv_memory: int | str = "1GiB", max_num_seqs: int = 64, *,
@@ -68,7 +67,6 @@ class LLM:
             dtype_arg = torch.float32 if (dtype == "auto" and torch.device(device).type == "cpu") else dtype
             model_and_tokenizer = load_model(model, dtype=dtype_arg, device=device)
         self.model, self.tokenizer = model_and_tokenizer
-        (pack_linears if pack_weights else unpack_linears)(self.model)
         facts = model_facts(self.model)
         self.max_model_len = min(max_model_len or facts.max_positions, facts.max_positions)
         weight = next(self.model.parameters())
@@ -81,7 +79,7 @@ class LLM:
                              initial=max(slots // 8, facts.num_layers * facts.num_kv_heads))
         self.scheduler = Scheduler(self.pool, facts.num_layers, facts.num_kv_heads, max_num_seqs)
         self.runner = ModelRunner(self.model, self.pool, self.tokenizer, pack=pack_weights)
-        self.packed_weight_bytes = packed_bytes(self.model) + self.runner.decoder.nbytes
+        self.packed_weight_bytes = self.runner.decoder.nbytes
         self._eos = eos_ids(self.model, self.tokenizer)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}

@@ -4,13 +4,13 @@ PyTorch's float32 ``F.linear`` on the CPU calls MKL's sgemm, which on the AMD EP
 measured on runs far below the core's peak at the engine's shapes (a decoding step's few rows, a prompt's
 hundreds); oneDNN over a weight reordered once into its blocked layout (``torch.ops.mkldnn``, what
 PyTorch's own compiler uses for frozen CPU models) computes the same products about 2.4× faster there
-(benchmarks/linears.py). ``pack_linears`` gives each ``nn.Linear`` of a model a forward over such a
-copy; the weight itself stays as it was (tied embeddings, ``state_dict`` and the user's own uses of the
-model see no change), so the packed copies cost one more set of the linear weights' bytes, reported
-by the engine. Results differ from ``F.linear`` only by the order of float32 sums (~1e-6 relative).
-The copy is made once: weights changed afterwards are not seen (the engine never changes them).
-``FusedLinear`` stacks the weights of layers that take one input (a layer's query, key and value products;
-its gate and up products) into one packed copy, for the engine's own decoder (``engine/decoder.py``).
+(benchmarks/linears.py). The engine's decoder (``engine/decoder.py``) runs each linear layer over such a copy
+(``packed_or_own``), and the layers that take one input as one product over their weights stacked
+(``FusedLinear``: a layer's query, key and value products; its gate and up products). The model's own modules
+are left as they are (tied embeddings, ``state_dict`` and the user's own forwards see transformers' products), so
+the copies cost one more set of the linear weights' bytes, reported by the engine. Results differ from
+``F.linear`` only by the order of float32 sums (~1e-6 relative). The copies are made once: weights changed
+afterwards are not seen (the engine never changes them).
 """
 
 from __future__ import annotations
@@ -65,27 +65,14 @@ class FusedLinear:
         return list(self.packed(x).split(self.sizes, dim=-1))
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Give every linear layer of ``model`` that can take it (``can_pack``) a forward over a packed copy of its
-    weight (once: a layer already packed is left as it is). Returns the bytes of the copies made."""
-    made = 0
-    for module in model.modules():
-        if can_pack(module) and not isinstance(module.__dict__.get("forward"), PackedLinear):
-            module.forward = PackedLinear(module.weight, module.bias)
-            made += module.forward.nbytes
-    return made
+def packed_or_own(module: nn.Linear, pack: bool) -> PackedLinear | nn.Linear:
+    """The layer's product over a packed copy of its weight where ``pack`` and ``can_pack``; else the layer itself."""
+    return PackedLinear(module.weight, module.bias) if pack and can_pack(module) else module
 
 
-def unpack_linears(model: nn.Module) -> None:
-    """Back to transformers' own forward for every linear layer of ``model`` (the packed copies are let go)."""
-    for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), PackedLinear):
-            del module.forward
+def copy_bytes(product: PackedLinear | FusedLinear | nn.Module) -> int:
+    """Bytes of the packed copy behind a product (0 for a module running its own forward)."""
+    return product.nbytes if isinstance(product, (PackedLinear, FusedLinear)) else 0
 
 
-def packed_bytes(model: nn.Module) -> int:
-    """Bytes the packed copies of ``model``'s linear weights hold."""
-    return sum(module.forward.nbytes for module in model.modules() if isinstance(module.__dict__.get("forward"), PackedLinear))
-
-
-__all__ = ["FusedLinear", "PackedLinear", "can_pack", "pack_linears", "packed_bytes", "unpack_linears"]
+__all__ = ["FusedLinear", "PackedLinear", "can_pack", "copy_bytes", "packed_or_own"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hf.cache import CompressedCache
-from ..models import cache_kwargs
+from ..hf.cache import CompressedCache, hidden_statistics
+from ..hf.replay import run_replay
 from ..read import read
 from ..session import Session
 from ..store.slots import SlotPool, SlotTable
@@ -82,17 +82,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, request: Request) -> torch.Tensor:
-        """Prefill the request's tokens into a new session on the pool (compressed by its method); the
-        next-token logits [V]."""
+        """Prefill the request's whole prompt alone into a new session on the pool, through the engine's decoder
+        (with the statistics of each layer's attention inputs where the method keeps them, GVote), replay it where the
+        method scores by a replay (KVzip), and let the session compress; the next-token logits [V]."""
         cache = self._cache_for(request)
-        ids = torch.tensor([request.tokens], device=self.device)
+        session = cache.session
+        ids = torch.tensor(request.tokens, device=self.device)
+        positions = torch.arange(len(request.tokens), device=self.device)
+
+        def attend(layer_idx, query, key, value, positions, hidden, scaling):
+            observe = session.observe
+            stats = hidden_statistics(hidden[None], None) if observe.hidden_stats else None
+            out = session.prefill(layer_idx, *_rows(query, key, value), positions[None], scaling, hidden_stats=stats,
+                                  hidden=hidden[None] if observe.hidden_states else None)
+            return out[0].transpose(0, 1)
+
         try:
-            logits = self.model(ids, **cache_kwargs(cache), logits_to_keep=1).logits
+            logits = self.decoder(ids, positions, attend, positions[-1:])
+            if session.replay_pending:
+                run_replay(self._replay_forward(session), session, cache.replay_prompts, ids[None])
         except BaseException:
-            cache.session.release()  # a prefill that did not fit leaves nothing behind
+            session.release()  # a prefill that did not fit leaves nothing behind
             raise
-        request.session = cache.session
-        return logits[0, -1]
+        request.session = session
+        return logits[0]
+
+    def _replay_forward(self, session: Session):
+        """A replay's chunk forward (``hf/replay.py``) through the engine's decoder: each layer attends by
+        ``Session.replay_layer``, and nothing is kept."""
+        nothing = torch.empty(0, dtype=torch.long, device=self.device)
+
+        def attend(layer_idx, query, key, value, positions, hidden, scaling):
+            return session.replay_layer(layer_idx, *_rows(query, key, value), positions[None])[0].transpose(0, 1)
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor) -> None:
+            if ids.shape[0] != 1:
+                raise ValueError("the engine replays one prompt at a time")
+            self.decoder(ids[0], positions[0], attend, nothing)
+
+        return forward
 
     def _cache_for(self, request: Request) -> CompressedCache:
         """A new cache on the engine's pool for the request's prompt, compressed by its method."""
@@ -175,6 +203,11 @@ class ModelRunner:
             rows.append(choice)
         width = max(c.shape[-1] for c in rows)
         return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in rows])
+
+
+def _rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The decoder's [T, H, d] as a session's one row [1, H, T, d]."""
+    return tuple(x.transpose(0, 1)[None] for x in tensors)
 
 
 __all__ = ["ModelRunner", "Piece"]

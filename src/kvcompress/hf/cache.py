@@ -31,7 +31,7 @@ from ..models import attention_modules, decoder_stack, model_facts, rotary_embed
 from ..session import Session
 from ..store.slots import SlotPool
 from .layers import HandOverCache, PositionsLayer, take_pending
-from .replay import ReplayPrompts, run_replay
+from .replay import ReplayPrompts, replay_through, run_replay
 
 ATTENTION_NAME = "kvcompress"
 
@@ -209,9 +209,15 @@ class CompressedCache(HandOverCache):
             self.recorder[layer_idx] = (query, key, value, position_ids, out)
         return out
 
+    @property
+    def replay_prompts(self) -> ReplayPrompts | None:
+        """The prompts a replay (KVzip) puts before each chunk of the prompt; None for a method that does not replay."""
+        return self._replay_prompts
+
     def replay(self, decoder, input_ids: torch.Tensor | None) -> None:
-        """Right after the prefill of ``input_ids`` (a method that replays the prompt): replay it, then compress."""
-        run_replay(decoder, self.session, self.attention_modules, self._replay_prompts, input_ids)
+        """Right after the prefill of ``input_ids`` (a method that replays the prompt): replay it through transformers'
+        ``decoder`` stack, then compress."""
+        run_replay(replay_through(decoder, self.session, self.attention_modules), self.session, self._replay_prompts, input_ids)
 
     # ----- prefill once, compress many ----------------------------------------------------
     def fork(self, method: Policy) -> CompressedCache:
@@ -289,5 +295,5 @@ def hidden_statistics(hidden: torch.Tensor, token_valid: torch.Tensor | None) ->
     return mean[:, 0], var[:, 0].sqrt()
 
 
-__all__ = ["ATTENTION_NAME", "CompressedCache", "kvcompress_attention", "register_attention", "use_kvcompress_attention",
-           "watch_attention_inputs"]
+__all__ = ["ATTENTION_NAME", "CompressedCache", "hidden_statistics", "kvcompress_attention", "register_attention",
+           "use_kvcompress_attention", "watch_attention_inputs"]

@@ -6,12 +6,14 @@ chunk after a prompt quoting the end of the chunk before it, as KVzip does for l
 chunk's queries attend to every held entry and, causally, to the chunk; in each layer the session
 keeps per entry the most attention any replay query of a KV head's group gives it
 (``Session.replay_layer``); nothing the replay computes is stored (METHODS.md, "KVzip").
-``CompressedCache`` runs it once a prefill whose method needs it is over.
+``CompressedCache`` runs it through transformers' decoder once a prefill whose method needs it is over; the
+engine runs it through its own decoder (``engine/runner.py``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +71,19 @@ class _ReplayCache(HandOverCache):
         return self.session.replay_layer(layer_idx, query, key, value, position_ids.expand(query.shape[0], -1))
 
 
+ChunkForward = Callable[[torch.Tensor, torch.Tensor], None]  # (ids [B, c], positions [B, c]) → nothing; attends via replay_layer
+
+
+def replay_through(decoder, session: Session, modules) -> ChunkForward:
+    """transformers' decoder stack as a replay's chunk forward: each layer's attention goes to ``Session.replay_layer``."""
+    return lambda ids, positions: decoder(input_ids=ids, position_ids=positions, **cache_kwargs(_ReplayCache(session, modules)))
+
+
 @torch.inference_mode()
-def run_replay(decoder, session: Session, modules, prompts: ReplayPrompts, prompt_ids: torch.Tensor) -> None:
-    """Run the replay of ``prompt_ids`` [B, n] (the ids just prefilled; rows of equal, unpadded length) through
-    ``decoder`` (the model's decoder stack) and let the session compress."""
+def run_replay(forward: ChunkForward, session: Session, prompts: ReplayPrompts, prompt_ids: torch.Tensor) -> None:
+    """Run the replay of ``prompt_ids`` [B, n] (the ids just prefilled; rows of equal, unpadded length) chunk by
+    chunk through ``forward`` (a decoder whose layers attend by ``Session.replay_layer``: ``replay_through``, or the
+    engine's own) and let the session compress."""
     if prompt_ids is None:
         raise ValueError("this method replays the prompt's token ids after the prefill (KVzip): call the model with "
                          "input_ids, not inputs_embeds")
@@ -83,11 +94,10 @@ def run_replay(decoder, session: Session, modules, prompts: ReplayPrompts, promp
     rows = [prompts.inputs(row, session.observe.replay) for row in prompt_ids.tolist()]
     for chunk in range(len(rows[0])):
         ids = torch.tensor([inputs[chunk] for inputs in rows], device=prompt_ids.device)
-        positions = torch.arange(seen, seen + ids.shape[1], device=ids.device).expand_as(ids)
-        decoder(input_ids=ids, position_ids=positions, **cache_kwargs(_ReplayCache(session, modules)))
+        forward(ids, torch.arange(seen, seen + ids.shape[1], device=ids.device).expand_as(ids))
     session.timings["replay_s"] = time.perf_counter() - start
     session.timings["compress_s"] += session.timings["replay_s"]  # the replay is part of what compressing costs
     session.finish_replay()
 
 
-__all__ = ["FIRST_PROMPT", "NEXT_PROMPT", "ReplayPrompts", "run_replay"]
+__all__ = ["FIRST_PROMPT", "NEXT_PROMPT", "ChunkForward", "ReplayPrompts", "replay_through", "run_replay"]
