@@ -109,6 +109,45 @@ def test_the_triton_read_equals_the_reference_read(rows, heads, groups, dim, dat
                              device=TRITON_DEVICE, tolerance=TRITON_TOLERANCE[dtype], longer=split is not None)
 
 
+def test_a_launch_shape_that_does_not_fit_the_gpu_falls_back_to_smaller_ones(monkeypatch):
+    """A GPU that holds only blocks of 16 entries without pipelining: the read tries the shape asked for, then smaller
+    ones, reads correctly in the one that fits and remembers it; where none fits, the GPU's error."""
+    paged_triton = pytest.importorskip("kvcompress.read.paged_triton")
+    from triton.runtime.errors import OutOfResources
+
+    real, tried = paged_triton._split_kernel, []
+
+    class SmallGpu:
+        def __init__(self, fits):
+            self.fits = fits
+
+        def __getitem__(self, grid):
+            def launch(*arguments, BLOCK, num_warps, num_stages, **constants):
+                tried.append((BLOCK, num_stages))
+                if not self.fits(BLOCK, num_stages):
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                real[grid](*arguments, BLOCK=BLOCK, num_warps=num_warps, num_stages=num_stages, **constants)
+            return launch
+
+    query, keys, values, tables, lengths, log_weights, _, _ = _case(5, 2, 2, 2, 64, [70, 5, 130, 64], 0.3, True, torch.float32)
+    query, keys, values = query.to(TRITON_DEVICE), keys.to(TRITON_DEVICE), values.to(TRITON_DEVICE)
+    tables, log_weights = [t.to(TRITON_DEVICE) for t in tables], [w.to(TRITON_DEVICE) for w in log_weights]
+    read = functools.partial(paged_triton.paged_decode_triton, query, keys, values, tables, lengths, log_weights, 0.125, split=128)
+    expected = read()
+    monkeypatch.setattr(paged_triton, "_FITTING", {})
+    monkeypatch.setattr(paged_triton, "_split_kernel", SmallGpu(lambda block, stages: block <= 16 and stages == 1))
+    for attempts in ([(64, 2), (64, 1), (32, 1), (16, 1)], [(16, 1)]):  # the second read goes straight to what fitted
+        tried.clear()
+        out = read()
+        assert tried == attempts
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(paged_triton, "_FITTING", {})
+    monkeypatch.setattr(paged_triton, "_split_kernel", SmallGpu(lambda block, stages: False))
+    with pytest.raises(OutOfResources):
+        read()
+
+
 @settings(max_examples=200, deadline=None)
 @given(pairs=st.integers(1, 4096), longest=st.integers(0, 200_000), sms=st.sampled_from([None, 1, 16, 132]), kivi=st.booleans())
 def test_splits_cover_each_head_in_blocks_and_fill_the_gpu_without_flooding_it(pairs, longest, sms, kivi):

@@ -5,10 +5,11 @@ are stacked into one int32 [R, H, L] table first (4 bytes per entry, against the
 names). A program reads one split of a (row, KV head)'s entries in blocks of ``Tuning.block``: it loads the slots,
 then the keys and values they name straight from the pool, and keeps an online softmax for the head's GQA group in
 float32 (flash-decoding); a second kernel merges the splits by log-sum-exp. Splits are sized so that the programs
-fill the GPU (a few per multiprocessor) however few the rows. Entries of the KIVI tier (``KIVI``: its tier, bits,
-block and channel group as constants) are unpacked and dequantised where they are loaded: key = zero + code · scale
-per channel (the block's; its codes laid out channel by channel across the block's entries), value the same per
-channel group (the entry's).
+fill the GPU (a few per multiprocessor) however few the rows; a launch shape (``Tuning``) that does not fit the
+GPU (shared memory, registers) falls back to smaller ones, remembered per kernel variant. Entries of the KIVI tier
+(``KIVI``: its tier, bits, block and channel group as constants) are unpacked and dequantised where they are loaded:
+key = zero + code · scale per channel (the block's; its codes laid out channel by channel across the block's
+entries), value the same per channel group (the entry's).
 
 Precision: a float32 pool is read with float32 products throughout. A bfloat16 or float16 pool's products run on the
 GPU's matrix units in TF32, which holds every 16-bit entry exactly: only the scaled query and the softmax weights are
@@ -19,11 +20,12 @@ interpreter computes TF32 products in float32.)
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
 from ..store.view import KiviBlocks
@@ -190,20 +192,51 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     part_max = torch.empty(rows, heads, splits, groups_pad, dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
     coded = [keys] * 6 if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
-    _split_kernel[(rows, heads, splits)](
-        query.contiguous(), keys, values, slots, lengths.to(device=device, dtype=torch.int64).contiguous(),
-        slots if weights is None else weights, *coded, part_acc, part_max, part_sum, part_max if scores is None else scores,
-        0 if scores is None else scores.stride(1), scaling, slots.stride(0), slots.stride(1), splits, split, keys.shape[0],
-        coded[0].shape[0], HAS_SCORES=scores is not None, HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim,
-        DIM_PAD=dim_pad, BLOCK=tuning.block, HAS_WEIGHTS=weights is not None, PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
-        KIVI_TIER=0 if kivi is None else kivi.tier, BITS=2 if kivi is None else kivi.codec.bits,
-        KIVI_GROUP=1 if kivi is None else kivi.codec.block_size, CHANNEL_GROUP=dim if kivi is None else kivi.codec.channel_group(dim),
-        TIER_SHIFT=TIER_SHIFT, ENTRY_MASK=ENTRY_MASK, num_warps=tuning.warps, num_stages=tuning.stages)
+    arguments = (query.contiguous(), keys, values, slots, lengths.to(device=device, dtype=torch.int64).contiguous(),
+                 slots if weights is None else weights, *coded, part_acc, part_max, part_sum, part_max if scores is None else scores,
+                 0 if scores is None else scores.stride(1), scaling, slots.stride(0), slots.stride(1), splits, split, keys.shape[0],
+                 coded[0].shape[0])
+    constants = dict(HAS_SCORES=scores is not None, HEADS=heads, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad,
+                     HAS_WEIGHTS=weights is not None, PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
+                     KIVI_TIER=0 if kivi is None else kivi.tier, BITS=2 if kivi is None else kivi.codec.bits,
+                     KIVI_GROUP=1 if kivi is None else kivi.codec.block_size,
+                     CHANNEL_GROUP=dim if kivi is None else kivi.codec.channel_group(dim), TIER_SHIFT=TIER_SHIFT, ENTRY_MASK=ENTRY_MASK)
+    _launch_split((rows, heads, splits), arguments, constants, tuning, (str(device), keys.dtype, coded[0].dtype))
     out = torch.empty(rows, hq, dim, dtype=query.dtype, device=device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=device)
     _merge_kernel[(rows * heads,)](part_acc, part_max, part_sum, out, lse, splits, GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim,
                                    DIM_PAD=dim_pad)
     return out, lse
+
+
+_FITTING: dict[tuple, Tuning] = {}  # the launch shape that fitted the GPU, per kernel variant and shape asked for
+
+
+def _launch_split(grid: tuple[int, int, int], arguments: tuple, constants: dict, tuning: Tuning, where: tuple) -> None:
+    """Launch the split kernel in the shape asked for or, where that does not fit the GPU (shared memory, registers:
+    ``OutOfResources`` at launch, before anything runs), the first smaller shape that does, remembered per variant."""
+    key = (where, tuple(sorted(constants.items())), tuning)
+    error = None
+    for shape in [_FITTING[key]] if key in _FITTING else _smaller_shapes(tuning):
+        try:
+            _split_kernel[grid](*arguments, **constants, BLOCK=shape.block, num_warps=shape.warps, num_stages=shape.stages)
+        except OutOfResources as exceeded:
+            error = exceeded
+            continue
+        _FITTING[key] = shape
+        return
+    raise error
+
+
+def _smaller_shapes(tuning: Tuning):
+    """The launch shape asked for, then without software pipelining, then with blocks halved down to 16 entries
+    (a split of whole blocks stays one of halved blocks)."""
+    yield tuning
+    shape = replace(tuning, stages=1)
+    while shape.block >= 16:
+        if shape != tuning:
+            yield shape
+        shape = replace(shape, block=shape.block // 2)
 
 
 def split_size(pairs: int, longest: int, multiprocessors: int | None, tuning: Tuning = TUNING) -> int:
