@@ -62,10 +62,13 @@ class _Step:
             part = slice(offset, offset + piece.count)
             offset += piece.count
             session = piece.request.session
-            own_hidden = hidden[part][None] if session.observe.hidden_states else None
-            tokens = (*(x[part].transpose(0, 1)[None] for x in (query, key, value)), positions[part][None])
-            if piece.start == 0:
-                out = session.prefill(layer_idx, *tokens, scaling, hidden=own_hidden, final=piece.final)
+            observe = session.observe
+            inputs = hidden[part][None]
+            own_hidden = inputs if observe.hidden_states else None
+            tokens = (*_rows(query[part], key[part], value[part]), positions[part][None])
+            if piece.start == 0:  # statistics of the inputs are kept only by methods whose prompt is one piece (GVote)
+                stats = hidden_statistics(inputs, None) if observe.hidden_stats else None
+                out = session.prefill(layer_idx, *tokens, scaling, hidden_stats=stats, hidden=own_hidden, final=piece.final)
             else:
                 out = session.prefill_more(layer_idx, *tokens, hidden=own_hidden, final=piece.final)
             outs.append(out[0].transpose(0, 1))
@@ -86,25 +89,17 @@ class ModelRunner:
         (with the statistics of each layer's attention inputs where the method keeps them, GVote), replay it where the
         method scores by a replay (KVzip), and let the session compress; the next-token logits [V]."""
         cache = self._cache_for(request)
-        session = cache.session
+        session = request.session = cache.session
         ids = torch.tensor(request.tokens, device=self.device)
         positions = torch.arange(len(request.tokens), device=self.device)
-
-        def attend(layer_idx, query, key, value, positions, hidden, scaling):
-            observe = session.observe
-            stats = hidden_statistics(hidden[None], None) if observe.hidden_stats else None
-            out = session.prefill(layer_idx, *_rows(query, key, value), positions[None], scaling, hidden_stats=stats,
-                                  hidden=hidden[None] if observe.hidden_states else None)
-            return out[0].transpose(0, 1)
-
         try:
-            logits = self.decoder(ids, positions, attend, positions[-1:])
+            logits = self.decoder(ids, positions, _Step(self, [], None, [Piece(request, 0, len(request.tokens))]).attend, positions[-1:])
             if session.replay_pending:
                 run_replay(self._replay_forward(session), session, cache.replay_prompts, ids[None])
         except BaseException:
             session.release()  # a prefill that did not fit leaves nothing behind
+            request.session = None
             raise
-        request.session = session
         return logits[0]
 
     def _replay_forward(self, session: Session):
