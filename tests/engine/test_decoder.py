@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import tiny_model
-from kvcompress.engine.decoder import Decoder
+from kvcompress.engine.decoder import Decoder, _norm, _Rotary
 from kvcompress.engine.packed import FusedLinear, can_pack
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 def causal_attend(layer, query, key, value, positions, hidden, scaling):
@@ -75,3 +76,30 @@ def test_fused_products_split_into_each_layers_output_and_count_their_copy():
         for out, own, layer in zip(fused(x), plain(x), layers):
             assert torch.equal(own, layer(x))
             torch.testing.assert_close(out, own, atol=1e-5, rtol=1e-5)
+        assert torch.equal(fused.joint(x), torch.cat(fused(x), dim=-1)) and torch.equal(plain.joint(x), torch.cat(plain(x), dim=-1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["llama", "qwen3"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), tokens=st.integers(1, 40),
+       start=st.integers(0, 400), seed=st.integers(0, 2**16))
+def test_the_rotary_and_the_norms_are_transformers_bit_for_bit(kind, dtype, tokens, start, seed):
+    """``_Rotary`` (a roll and a signed sine) and ``_norm`` (``F.rms_norm``) compute transformers' numbers exactly."""
+    model = tiny_model(kind, layers=1, seed=seed % 5).to(dtype)
+    stack, attention = model.model, model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(tokens, 64, generator=gen) * 4).to(dtype)
+    positions = torch.arange(start, start + tokens)
+    q, k = (torch.randn(tokens, h, 16, generator=gen).to(dtype) for h in (4, 2))
+    cos, sin = stack.rotary_emb(hidden[None], positions[None])
+    expected_q, expected_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rotary = _Rotary(stack.rotary_emb, hidden, positions)
+    assert torch.equal(rotary(q), expected_q[0].transpose(0, 1)) and torch.equal(rotary(k), expected_k[0].transpose(0, 1))
+    norms = [model.model.layers[0].input_layernorm, stack.norm] + ([attention.q_norm] if kind == "qwen3" else [])
+    for module in norms:
+        x = hidden if module.weight.shape[0] == 64 else q
+        assert _norm(module) is not module and torch.equal(_norm(module)(x), module(x))
+
+
+def test_a_norm_that_is_not_transformers_rmsnorm_runs_its_own_forward():
+    layer_norm = torch.nn.LayerNorm(8)
+    assert _norm(layer_norm) is layer_norm

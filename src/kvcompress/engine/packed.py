@@ -64,6 +64,10 @@ class FusedLinear:
             return [module(x) for module in self.modules]
         return list(self.packed(x).split(self.sizes, dim=-1))
 
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side, one tensor [..., Σ out]."""
+        return torch.cat([module(x) for module in self.modules], dim=-1) if self.packed is None else self.packed(x)
+
 
 def packed_or_own(module: nn.Linear, pack: bool) -> PackedLinear | nn.Linear:
     """The layer's product over a packed copy of its weight where ``pack`` and ``can_pack``; else the layer itself."""
