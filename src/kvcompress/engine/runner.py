@@ -56,6 +56,8 @@ class _Step:
             decoding = (x[:rows, :, None] for x in (query, key, value))  # [R, H, 1, d] each
             out = self.runner.decode_layer(self.sessions, layer_idx, self.slots[layer_idx], *decoding, positions[:rows, None],
                                            scaling, hidden[:rows, None])
+            if not self.pieces:
+                return out[:, :, 0]
             outs.append(out[:, :, 0])
         offset = rows
         for piece in self.pieces:

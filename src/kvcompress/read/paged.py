@@ -39,6 +39,7 @@ from .tables import KIVI_FIELDS, stacked, stacked_log_weights
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp")]
+NOTHING = torch.empty(0)  # the kernel's "none" for a tensor argument
 _built: object | None = None
 _failed: str | None = None
 
@@ -87,13 +88,11 @@ def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     kernel = cpu_kernel() if query.device.type == "cpu" else None
     if kernel is None:
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
-    weights = [torch.empty(0) if w is None else w for w in (log_weights or [None] * len(tables))]
-    scaled = (query.float() * scaling).contiguous()
+    weights = [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * len(tables)
     spec = [] if kivi is None else [kivi.tier, kivi.codec.bits, kivi.codec.block_size, kivi.codec.channel_group(query.shape[-1])]
     arrays = [] if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
-    out, lse = kernel.paged_decode(scaled, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT, spec,
-                                   arrays, torch.empty(0) if scores is None else scores)
-    return out.to(query.dtype), lse
+    return kernel.paged_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT, spec,
+                               arrays, NOTHING if scores is None else scores)
 
 
 def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],

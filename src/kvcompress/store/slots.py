@@ -27,6 +27,7 @@ Nothing here knows a method or transformers: edits arrive as ``store.view.Edit``
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -282,9 +283,9 @@ class SlotPool:
         self._free, self._top = free, self._top + added
 
     # ----- entries -------------------------------------------------------------------------
-    @_plain_tensors
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store entries (keys, values [n, d]) in ``slots`` [n]."""
+        """Store entries (keys, values [n, d]) in ``slots`` [n] (in place: it creates nothing the store keeps, so it needs no
+        ``_plain_tensors``, whose mode switch costs a decoding layer as much as the copies)."""
         rows = self.codec.encode(keys.to(self.dtype), values.to(self.dtype))
         index = slots.reshape(-1).long()
         for name, array in self.arrays.items():
@@ -332,7 +333,7 @@ class SlotTable:
     def __init__(self, rows: int, heads: int, device: str | torch.device = "cpu", page_size: int = 0):
         self.device = torch.device(device)
         self.ids = torch.empty(rows, heads, 0, 2, dtype=torch.int32, device=self.device)
-        self.weights: torch.Tensor | None = None
+        self.weights = None
         self.columns: list[str] = []
         self.lengths = torch.zeros(rows, heads, dtype=torch.long, device="cpu")  # sizes are decided on the CPU
         self.page_size = page_size
@@ -361,9 +362,34 @@ class SlotTable:
         return int(self.lengths[_all(rows)].sum())
 
     @property
+    def ids(self) -> torch.Tensor:
+        return self._ids
+
+    @ids.setter
+    def ids(self, ids: torch.Tensor) -> None:
+        self._ids, self._slots = ids, None
+
+    @property
+    def weights(self) -> torch.Tensor | None:
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: torch.Tensor | None) -> None:  # the columns change only with a new array
+        self._weights, self._log_weights = weights, None
+
+    @property
     def slots(self) -> torch.Tensor:
-        """int32 [R, H, capacity]: each entry's slot (a view)."""
-        return self.ids[..., 0]
+        """int32 [R, H, capacity]: each entry's slot (a view, made once per ``ids`` array: a decoding step takes a
+        row of it per layer and request)."""
+        if self._slots is None:
+            self._slots = self._ids[..., 0]
+        return self._slots
+
+    def log_weight_column(self) -> torch.Tensor | None:
+        """float32 [R, H, capacity]: each entry's log-weight (a view, made once per ``weights`` array), or None."""
+        if self._log_weights is None and self.LOG_WEIGHTS in self.columns:
+            self._log_weights = self._weights[..., self.columns.index(self.LOG_WEIGHTS)]
+        return self._log_weights
 
     @property
     def positions(self) -> torch.Tensor:
@@ -422,9 +448,8 @@ class SlotTable:
     def _pages(pool: SlotPool, rows: list[tuple[SlotTable, int]], lengths: torch.Tensor) -> Callable[[], Pages | None]:
         """The in-place form of ``rows`` (table, row), made when a read asks for it: per row a view of its slot column
         and log-weights (taken now); None unless every entry is plain or of one KIVI tier (what the kernels read)."""
-        slots = [table.ids[row, :, :, 0] for table, row in rows]
-        weights = [table.weights[row, :, :, table.columns.index(table.LOG_WEIGHTS)] if table.LOG_WEIGHTS in table.columns else None
-                   for table, row in rows]
+        slots = [table.slots[row] for table, row in rows]
+        weights = [None if (column := table.log_weight_column()) is None else column[row] for table, row in rows]
 
         def pages() -> Pages | None:
             if not isinstance(pool.codec, PlainCodec):
@@ -451,14 +476,13 @@ class SlotTable:
         are (table, rows, summary). Heads are padded to the longest of all; log-weights where a table has
         them (0 elsewhere); each part's summary applies to its own rows."""
         tables = [(table, _all(rows)) for table, rows, _ in parts]
+        ranges = [range(*rows.indices(table.num_rows)) for table, rows in tables]
         lengths = torch.cat([table.lengths[rows] for table, rows in tables])
+        heads = lengths.shape[1]
         sizes = lengths.view(-1).tolist()  # every head's length, read once (not a span per part)
         longest = max(sizes, default=0)
-        spans, start = [], 0  # each part's longest head, for the padded forms below
-        for table, rows in tables:
-            count = len(range(*rows.indices(table.num_rows))) * lengths.shape[1]
-            spans.append(max(sizes[start : start + count], default=0))
-            start += count
+        starts = list(itertools.accumulate((len(part) * heads for part in ranges), initial=0))
+        spans = [max(sizes[a:b], default=0) for a, b in zip(starts, starts[1:])]  # each part's longest head, for the padded forms below
 
         @functools.cache
         def ids() -> torch.Tensor:  # the joint (slot, position) table, made only for a read that is not in place
@@ -478,7 +502,7 @@ class SlotTable:
             return pool.gather(slots if index is None else slots.gather(-1, index))
 
         summaries = [summary for _, _, summary in parts]
-        rows = [(table, row) for table, span in tables for row in range(*span.indices(table.num_rows))]
+        rows = [(table, row) for (table, _), part in zip(tables, ranges) for row in part]
         return KVView(
             lambda: ids()[..., 1].long(),
             lengths,

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+std::vector<at::Tensor> paged_decode(const at::Tensor& query, double scaling, const at::Tensor& keys, const at::Tensor& values,
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
                                      const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
                                      const std::vector<at::Tensor>& kivi_arrays, at::Tensor scores);

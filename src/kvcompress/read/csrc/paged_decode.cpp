@@ -544,20 +544,48 @@ Kivi kivi_tier(int64_t tier_shift, const std::vector<int64_t>& spec, const std::
   return kivi;
 }
 
+// The query in float32, times the scaling (one pass, no ATen operations: their dispatch costs more at these sizes).
+at::Tensor scaled_query(const at::Tensor& query, float scaling) {
+  auto scaled = at::empty(query.sizes(), query.options().dtype(at::kFloat));
+  float* out = scaled.data_ptr<float>();
+  const at::Tensor q = query.contiguous();
+  const int64_t n = q.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "scaled_query", [&] {
+    const scalar_t* in = q.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) out[i] = to_float(in[i]) * scaling;
+  });
+  return scaled;
+}
+
+// The float32 output in the query's dtype.
+at::Tensor in_dtype(const at::Tensor& out, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return out;
+  auto cast = at::empty(out.sizes(), out.options().dtype(dtype));
+  const float* in = out.data_ptr<float>();
+  const int64_t n = out.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "in_dtype", [&] {
+    scalar_t* to = cast.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) to[i] = static_cast<scalar_t>(in[i]);
+  });
+  return cast;
+}
+
 }  // namespace
 
-// query [R, Hq, d] float32 (scaled); keys, values [S, d] (float32, bfloat16 or float16); tables: per row an int32
+// query [R, Hq, d] (float32, bfloat16 or float16), scaled by `scaling` here; keys, values [S, d] (float32, bfloat16 or float16); tables: per row an int32
 // [H, L_r] slot table (any strides); lengths [R, H] int64; weights: per row a float32 [H, L_r] log-weight table
 // or an empty tensor; tier_shift: an entry id is tier << tier_shift | its place in the tier (0: a plain slot);
 // kivi: (tier, bits, group, channel group) of the KIVI tier read in place and its arrays
 // (key_codes, key_zero, key_scale, value_codes, value_zero, value_scale), or both empty; scores: float32 [R, Hq, L]
 // (L at least every head's length), filled in place with each entry's logit (scaled, its log-weight added; -inf on
-// holes; columns past a head's length untouched), or an empty tensor. Returns (out [R, Hq, d] float32, lse [R, Hq] float32).
-std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+// holes; columns past a head's length untouched), or an empty tensor. Returns (out [R, Hq, d] in the query's dtype, lse [R, Hq]
+// float32).
+std::vector<at::Tensor> paged_decode(const at::Tensor& queries, double scaling, const at::Tensor& keys, const at::Tensor& values,
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
                                      const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
                                      const std::vector<at::Tensor>& kivi_arrays, at::Tensor scores) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: float32 [R, Hq, d], contiguous");
+  TORCH_CHECK(queries.dim() == 3 && at::isFloatingType(queries.scalar_type()), "query: [R, Hq, d], float32, bfloat16 or float16");
+  const at::Tensor query = scaled_query(queries, static_cast<float>(scaling));
   TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
                   keys.scalar_type() == values.scalar_type() && keys.size(1) == query.size(2),
               "keys and values: [S, d] of one dtype, contiguous, d as the query's");
@@ -595,5 +623,5 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& 
   auto lse = at::empty({query.size(0), query.size(1)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode",
                                   [&] { run<scalar_t>(query, keys, values, kivi, views, lengths, out, lse, scores); });
-  return {out, lse};
+  return {in_dtype(out, queries.scalar_type()), lse};
 }
