@@ -42,9 +42,23 @@ def test_greedy_tokens_are_what_sample_draws_for_plain_greedy_rows_and_none_for_
     kinds = {"greedy": SamplingParams(), "penalized": SamplingParams(repetition_penalty=1.5),
              "sampled": SamplingParams(temperature=0.8, seed=1)}
     params = [kinds[row] for row in rows]
-    tokens = greedy_tokens(logits, params)
+    tokens, has_nan = greedy_tokens(logits, params)
+    assert has_nan == [False] * len(rows)
     for row, kind, p, token in zip(logits, rows, params, tokens):
         assert (token == sample(row, p, None, [1, 2], [3])) if kind == "greedy" else token is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 6), width=st.sampled_from([7, 50, 49152]), data=st.data())
+def test_greedy_tokens_flag_exactly_the_rows_holding_a_nan(seed, rows, width, data):
+    """NaN anywhere in a row (beside ±inf or not) is found from the argmax alone, as ``isnan().any()`` finds it."""
+    logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 4
+    for _ in range(data.draw(st.integers(0, 4))):
+        row, column = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, width - 1))
+        logits[row, column] = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    tokens, has_nan = greedy_tokens(logits, [SamplingParams()] * rows)
+    assert has_nan == torch.isnan(logits).any(dim=-1).tolist()
+    assert [t for t, nan in zip(tokens, has_nan) if not nan] == [int(r.argmax()) for r, nan in zip(logits, has_nan) if not nan]
 
 
 def test_no_penalty_leaves_the_logits_untouched():

@@ -225,8 +225,8 @@ class LLM:
             self._stats["decode_s"] += elapsed
             self._stats["decode_only_tokens"] += len(requests)
         logits = logits.float()  # every row checked, and greedy rows drawn, at once
-        has_nan = torch.isnan(logits).any(dim=-1).tolist()
-        for request, row, nan, token in zip(requests, logits, has_nan, greedy_tokens(logits, [r.params for r in requests])):
+        tokens, has_nan = greedy_tokens(logits, [r.params for r in requests])
+        for request, row, nan, token in zip(requests, logits, has_nan, tokens):
             request.suspect = False
             self._accept(request, row, nan, token)
         done = list(requests)

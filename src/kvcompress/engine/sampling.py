@@ -149,14 +149,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def greedy_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> list[int | None]:
-    """For logits [R, V], each row's most likely token where its ``params`` sample greedily without penalties
-    (what ``sample`` would draw), found for all such rows at once; None for the other rows."""
+def greedy_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int | None], list[bool]]:
+    """For logits [R, V]: each row's most likely token where its ``params`` sample greedily without penalties (what
+    ``sample`` would draw; None for the other rows), and whether each row holds a NaN, both from one pass: torch's
+    ``argmax`` takes NaN for the largest value (its max reductions propagate NaN), so a row holds a NaN exactly where
+    the value at its argmax is NaN. (``isnan().any()`` over the logits cost twice the argmax.)"""
+    best = logits.argmax(dim=-1)
+    has_nan = logits.gather(-1, best[:, None])[:, 0].isnan().tolist()
     greedy = [p.greedy and not p.penalized for p in params]
-    if not any(greedy):
-        return [None] * len(params)
-    best = logits.argmax(dim=-1).tolist()
-    return [token if plain else None for token, plain in zip(best, greedy)]
+    tokens = best.tolist() if any(greedy) else [None] * len(params)
+    return [token if plain else None for token, plain in zip(tokens, greedy)], has_nan
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
