@@ -157,8 +157,7 @@ def greedy_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[l
     best = logits.argmax(dim=-1)
     has_nan = logits.gather(-1, best[:, None])[:, 0].isnan().tolist()
     greedy = [p.greedy and not p.penalized for p in params]
-    tokens = best.tolist() if any(greedy) else [None] * len(params)
-    return [token if plain else None for token, plain in zip(tokens, greedy)], has_nan
+    return [token if plain else None for token, plain in zip(best.tolist(), greedy)], has_nan
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -489,12 +489,13 @@ class SlotTable:
             return torch.cat([_padded(table.ids[rows, :, :span], longest, PAD_IDS) for (table, rows), span in zip(tables, spans)])
 
         def log_weights() -> torch.Tensor | None:
-            if not any(table.LOG_WEIGHTS in table.columns for table, _ in tables):
+            columns = [table.log_weight_column() for table, _ in tables]
+            if all(column is None for column in columns):
                 return None
             return torch.cat([
-                _padded(table.weights[rows, :, :span, table.columns.index(table.LOG_WEIGHTS)], longest, 0.0)
-                if table.LOG_WEIGHTS in table.columns else torch.zeros(*table.ids[rows].shape[:2], longest, device=table.device)
-                for (table, rows), span in zip(tables, spans)
+                _padded(column[rows, :, :span], longest, 0.0) if column is not None
+                else torch.zeros(len(part), heads, longest, device=table.device)
+                for (table, rows), column, part, span in zip(tables, columns, ranges, spans)
             ])
 
         def load(index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

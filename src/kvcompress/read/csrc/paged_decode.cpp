@@ -330,7 +330,8 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
                   const Kivi& kivi, const Table& table, int64_t head, int64_t begin, int64_t end, float* acc, float* m, float* l,
                   float* scores, int64_t scores_stride, std::atomic<bool>& out_of_range) {
   std::vector<float> logits(groups * BLOCK);
-  const std::vector<scalar_t> zeros(d, scalar_t(0));  // the row a hole or coded entry reads among plain keys
+  const bool wide = WIDE_DOTS && d % 16 == 0;  // plain keys' logits sixteen at a time
+  const std::vector<scalar_t> zeros(wide ? d : 0, scalar_t(0));  // the row a hole or coded entry reads among plain keys
   std::vector<float> scaled(kivi.tier ? groups * d : 0), offset(kivi.tier ? groups : 0), row(kivi.tier ? d : 0), zero(kivi.tier ? d : 0);
   std::vector<float> decoded(kivi.tier ? BLOCK * d : 0);  // a block's coded values, decoded
   std::vector<float> dots(kivi.tier ? groups * kivi.group : 0), unpacked(kivi.tier ? kivi.group : 0);  // a KIVI block's q · codes
@@ -346,7 +347,9 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
     const int64_t n = std::min(BLOCK, end - start);
     for (int64_t i = 0; i < n; ++i)
       kind[i] = classify(table.slots[head * table.head_stride + (start + i) * table.entry_stride], num_slots, kivi, where[i], out_of_range);
-    const bool wide = WIDE_DOTS && d % 16 == 0;
+    const auto bias_of = [&](int64_t i) {  // entry i's log-weight (0 without a weight table)
+      return table.weights ? table.weights[head * table.weight_head_stride + (start + i) * table.weight_entry_stride] : 0.f;
+    };
     if (wide) {  // the plain keys sixteen at a time (holes and coded entries read the zero row, overwritten below)
       for (int64_t i = 0; i < n; ++i)
         if (kind[i] == PLAIN) prefetch_row(keys + where[i] * d, d);
@@ -359,7 +362,7 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
           const bool plain = i < n && kind[i] == PLAIN;
           any |= plain;
           rows[e] = plain ? keys + where[i] * d : zeros.data();
-          bias[e] = plain && table.weights ? table.weights[head * table.weight_head_stride + (start + i) * table.weight_entry_stride] : 0.f;
+          bias[e] = plain ? bias_of(i) : 0.f;
         }
         if (any) dots16(q, groups, rows, d, bias, logits.data() + i0);
       }
@@ -367,9 +370,8 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
     for (int64_t i = 0; i < n; ++i) {  // a key is loaded once for the group's queries
       if (!wide && i + PREFETCH < n && kind[i + PREFETCH] == PLAIN) prefetch_row(keys + where[i + PREFETCH] * d, d);
       if (kind[i] == PLAIN) prefetch_row(values + where[i] * d, d);  // read after the block's softmax
-      const float bias = table.weights ? table.weights[head * table.weight_head_stride + (start + i) * table.weight_entry_stride] : 0.f;
       if (kind[i] == PLAIN) {
-        if (!wide) group_dots(q, groups, keys + where[i] * d, d, bias, logits.data() + i);
+        if (!wide) group_dots(q, groups, keys + where[i] * d, d, bias_of(i), logits.data() + i);
       } else if (kind[i] == CODED) {
         const int64_t block = where[i] / kivi.group;
         if (block != coded_block) {  // q · z, q ⊙ s and then (q ⊙ s) · codes of every entry of this block
@@ -384,6 +386,7 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
           block_dots(kivi, block, scaled.data(), groups, d, dots.data(), unpacked.data());
         }
         const int64_t entry = where[i] % kivi.group;
+        const float bias = bias_of(i);
         for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] = dots[g * kivi.group + entry] + offset[g] + bias;
       } else {
         for (int64_t g = 0; g < groups; ++g) logits[g * BLOCK + i] = NEG_INF;
