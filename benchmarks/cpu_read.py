@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.read.paged import cpu_kernel, paged_decode
+from kvcompress.kernels import cpu_kernels
+from kvcompress.read.paged import paged_decode
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-coder-0.5b": (14, 2, 64)}
 ROWS, CONTEXTS, DTYPES = 8, (250, 2000, 8000), (torch.float32, torch.bfloat16)
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/cpu_read.json"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    if cpu_kernel() is None:
+    if cpu_kernels() is None:
         raise SystemExit("the CPU kernel is not built here (see read/paged.py); nothing to measure")
     torch.set_num_threads(args.threads)
     rows = []

@@ -52,11 +52,12 @@ def code_spread(store, codec, blocks: torch.Tensor) -> dict:
 
 
 def rebuild_ms(store, codec, blocks: torch.Tensor, repeats: int = 3) -> float:
-    """Milliseconds to rebuild every coded token once (median of ``repeats``)."""
+    """Milliseconds to rebuild every coded entry once, as a decoding read does (``decode``; median of ``repeats``)."""
+    entries = (blocks[:, None] * codec.block_size + torch.arange(codec.block_size)).reshape(-1)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        codec.reconstruct(store.arrays, blocks)
+        codec.decode(store.arrays, entries)
         times.append(time.perf_counter() - start)
     return 1000 * sorted(times)[len(times) // 2]
 

@@ -90,7 +90,7 @@ class Session:
         self._step: dict = {}  # scratch shared by the layers of one decoding step (LayerContext.step)
         self.replay_pending = False  # the prompt is prefilled and waits for its replay (KVzip) to be compressed
         self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
-        storage = method.storage_for(pool.dtype)
+        storage = method.storage_for(pool.dtype, num_layers)
         self.code_tier = pool.tier(storage[0]) if storage else 0  # coded storage: the pool tier, 0 = plain
         self.code_recent = storage[1] if storage else 0  # newest entries per head kept plain
 

@@ -145,7 +145,7 @@ def test_admission_by_compressed_size_fits_more_requests():
 
 
 @pytest.mark.parametrize("spec", ["kivi:bits=4:group_size=16:residual=8", 'snapkv:budget=40:window=8+kivi:bits=2:group_size=16:residual=8',
-                                  "deltakv:recent=8:chunk=8", 'omnikv:ratio=0.5+deltakv:recent=8:chunk=8:checkpoint=CODEC'])
+                                  "deltakv:recent=8:chunk=8", 'omnikv:ratio=0.5:filters=(0,)+deltakv:recent=8:chunk=8:checkpoint=CODEC'])
 def test_coded_requests_equal_the_single_request_cache(spec):
     """Coded storage in the engine (KIVI, DeltaKV, each alone and under another method): the same tokens as the
     single-request cache with the same codec, entries coded as they arrive (prompts and answers span several
@@ -160,7 +160,7 @@ def test_coded_requests_equal_the_single_request_cache(spec):
     outs = run_staggered(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), method, every=3)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == reference(model, prompt, 24, method), spec
-        assert out.stats["kr"] < 0.7  # coded
+        assert out.stats["kr"] < 0.8  # coded (under OmniKV its filter layer, half of this model, stays raw: 0.75)
     assert llm.pool.used_bytes == 0 and llm.pool.tiers and all(int(t.refs.sum()) == 0 for t in llm.pool.tiers)
 
 

@@ -120,22 +120,25 @@ def test_deltakv_on_a_bf16_model_stays_finite_with_four_bit_codes():
 
 
 def test_selection_over_deltakv_rebuilds_only_the_entries_it_reads(monkeypatch):
-    """``omnikv+deltakv``: the layers after a filter layer rebuild only the tokens they select."""
+    """``omnikv+deltakv``: the layers that read every entry (before the filter layer and the filter layer) stay raw, as
+    the paper's hybrid layers; the layers after a filter layer rebuild only the tokens they select."""
     rebuilt = []
-    original = DeltaKVCodec.reconstruct
-    monkeypatch.setattr(DeltaKVCodec, "reconstruct",
-                        lambda self, arrays, blocks: rebuilt.append(blocks.numel()) or original(self, arrays, blocks))
+    original = DeltaKVCodec.decode
+    monkeypatch.setattr(DeltaKVCodec, "decode", lambda self, arrays, entries:
+                        rebuilt.append(torch.unique(entries // HEADS).numel()) or original(self, arrays, entries))
     model = tiny_model(seed=6, layers=4)
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
     codec = f'deltakv:recent=8:checkpoint="{tiny_codec(model)}"'
-    cache = CompressedCache(model, get_method(f"omnikv:filters=(1,):recent=8:sinks=2+{codec}", budget=24))
+    method = get_method(f"omnikv:filters=(1,):recent=8:sinks=2+{codec}", budget=24)
+    assert method.storage_for(torch.float32, 4)[0].full_layers == {0, 1} | set(method.storage.layers_left_full())
+    cache = CompressedCache(model, method)
     with torch.no_grad():
         logits = model(ids, past_key_values=cache).logits
         rebuilt.clear()
         model(logits[:, -1:].argmax(-1), past_key_values=cache)
-    coded = 200 - 8 - int(reference_mask(torch.arange(192), 10, 4).sum())
-    assert len(rebuilt) == 4 and rebuilt[0] == rebuilt[1] == coded  # layers 0 and 1 (the filter) rebuild every coded token
-    assert rebuilt[2] <= 24 and rebuilt[3] <= 24  # the layers after it: at most the tokens they select
+    assert len(rebuilt) == 2 and 0 < rebuilt[0] <= 24 and 0 < rebuilt[1] <= 24  # layers 2 and 3: at most what they select
+    kept_raw = get_method(f"quest+{codec}", budget=24).storage_for(torch.float32, 4)[0]
+    assert kept_raw.full_layers == set(method.storage.layers_left_full())  # Quest reads pages in every layer: none kept raw
 
 
 def test_bad_uses_fail_clearly(tmp_path):

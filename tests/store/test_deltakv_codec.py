@@ -254,3 +254,36 @@ def test_a_linear_codec_has_no_swiglu_path_and_round_trips(tmp_path):
     step = weights.w_linear.abs().amax(1, keepdim=True) / 127  # 8 bits per number, within half a step
     assert loaded.dims["hidden"] == 0 and bool(((loaded.w_linear - weights.w_linear).abs() <= step * 0.5001 + 1e-7).all())
     assert torch.allclose(loaded.compress(1, x), x @ loaded.w_linear[1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(12, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), picks=st.integers(1, 200),
+       seed=st.integers(0, 10**6))
+def test_the_compiled_rebuild_equals_its_pytorch_path(n, dtype, picks, seed):
+    """``decode`` (4-bit codes on the CPU: csrc/deltakv_rebuild.cpp) against ``decode_torch``, over pool dtypes, tokens of
+    two layers in one call, entries repeated and in any order."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = _weights(seed=seed % 5)
+    pool = SlotPool(D, dtype=dtype)
+    codec = DeltaKVCodec(weights, bits=4)
+    tier = pool.tier(codec)
+    for layer in (0, 1):
+        table = SlotTable(1, H)
+        table.append(pool, torch.randn(1, H, n, D, generator=gen), torch.randn(1, H, n, D, generator=gen), torch.arange(n)[None])
+        table.code(pool, tier, 0, slice(0, 1), layer=layer)
+    store = pool.tiers[tier - 1]
+    coded = (store.refs[1:] > 0).nonzero().squeeze(1) + 1  # every coded token's block
+    entries = coded[torch.randint(coded.numel(), (picks,), generator=gen)] * H + torch.randint(H, (picks,), generator=gen)
+    assert store.arrays["layer"][entries // H].unique().numel() <= 2
+    keys, values = codec.decode(store.arrays, entries)
+    want_keys, want_values = codec.decode_torch(store.arrays, entries)
+    assert keys.dtype == values.dtype == torch.float32 and keys.shape == values.shape == (picks, D)
+    assert torch.allclose(keys, want_keys, atol=1e-5, rtol=1e-5) and torch.allclose(values, want_values, atol=1e-5, rtol=1e-5)
+
+
+def test_the_compiled_rebuild_refuses_an_entry_that_is_not_coded():
+    weights = _weights()
+    pool, table, _, _, _ = _coded_table(weights, 30, bits=4)
+    store = pool.tiers[0]
+    with pytest.raises(RuntimeError, match="is not of a coded token"):
+        store.codec.decode(store.arrays, torch.tensor([store.arrays["code"].shape[0] * H]))

@@ -61,7 +61,7 @@ class Scheduler:
     def _coded(self, request: Request) -> tuple[int, float, int] | None:
         """(entries coded at once, bytes per coded entry, recent entries kept plain) of the request's codec;
         None: plain storage."""
-        storage = request.method.storage_for(self.pool.dtype)
+        storage = request.method.storage_for(self.pool.dtype, self.num_layers)
         if storage is None:
             return None
         codec, recent = storage

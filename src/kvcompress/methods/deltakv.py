@@ -26,13 +26,14 @@ class DeltaKV(Storage):
     (RoPE re-applied); the newest tokens stay raw and are coded ``chunk`` at a time (METHODS.md
     "DeltaKV"). Nothing is evicted: kr falls with the stride and the code width, cr stays 1. As the
     storage of a policy that keeps every entry (``omnikv+deltakv``, ``quest+deltakv``), only the entries
-    each step reads are rebuilt.
+    each step reads are rebuilt, and the layers whose steps read every entry (OmniKV's filter layers and the
+    layers before them) stay raw, as the paper leaves its filter layers uncompressed ("hybrid layers").
 
     Options:
         checkpoint: a folder from ``kvcompress train deltakv`` (None: the one shipped for the model).
         bits: 4 (default) stores each token's code in 4 bits with a 16-bit zero point and scale, as the
             shipped codecs were trained; None keeps codes in the model's dtype (the paper's accounting).
-        full_layers: layers left uncoded (the paper's hybrid layers; None: the checkpoint's choice).
+        full_layers: layers left uncoded (None: the checkpoint's choice), besides those the read rule reads whole.
         recent: newest tokens per layer kept raw (32).
         chunk: new tokens between two coding passes while decoding (32).
     """
@@ -83,6 +84,8 @@ class DeltaKV(Storage):
     def layers_left_full(self) -> tuple[int, ...]:
         return tuple(self.full_layers) if self.full_layers is not None else tuple(self.weights.about.get("full_layers", ()))
 
-    def storage(self, dtype: torch.dtype) -> tuple[DeltaKVCodec, int]:
-        """DeltaKV's codec and its raw recent tokens."""
-        return DeltaKVCodec(self.weights, self.bits, self.layers_left_full(), self.chunk), self.recent
+    def storage(self, dtype: torch.dtype, read_whole: tuple[int, ...] = ()) -> tuple[DeltaKVCodec, int]:
+        """DeltaKV's codec and its raw recent tokens; the layers read whole stay raw (rebuilding every coded token
+        at every step is what the paper's hybrid layers avoid)."""
+        raw = tuple(sorted({*self.layers_left_full(), *read_whole}))
+        return DeltaKVCodec(self.weights, self.bits, raw, self.chunk), self.recent

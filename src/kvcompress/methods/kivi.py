@@ -39,7 +39,8 @@ class KIVI(Storage):
             raise ValueError(f"kivi's residual must be a whole number of entries ≥ 0, got {self.residual!r}")
         self.storage(torch.float32)[0].check_block()  # checks bits and group_size
 
-    def storage(self, dtype: torch.dtype) -> tuple[KiviCodec, int]:
-        """KIVI's codec (zero points and scales in bfloat16 for a bf16 model, else float16) and its residual."""
+    def storage(self, dtype: torch.dtype, read_whole: tuple[int, ...] = ()) -> tuple[KiviCodec, int]:
+        """KIVI's codec (zero points and scales in bfloat16 for a bf16 model, else float16) and its residual (the
+        read dequantises in place, so layers read whole are coded too)."""
         param_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
         return KiviCodec(self.bits, self.group_size, param_dtype), self.residual

@@ -65,6 +65,11 @@ class OmniKV(Reads):
     def filter_layers(self, num_layers: int) -> list[int]:
         return list(self.filters) if self.filters is not None else filter_layers(num_layers)
 
+    def layers_read_whole(self, num_layers: int) -> tuple[int, ...]:
+        """The layers before the first filter layer and the filter layers: they read every entry."""
+        filters = self.filter_layers(num_layers)
+        return tuple(sorted({*range(filters[0]), *filters}))
+
     def select(self, policy, view, context) -> torch.Tensor | None:
         filters = self.filter_layers(context.num_layers)
         layer = context.layer_idx

@@ -282,6 +282,10 @@ class Reads(Part):
     def read_weights(self, policy, view: KVView, context: LayerContext, weights: torch.Tensor) -> None:
         """After a decoding read that ``wants_read_weights``: each entry's weight [B, H, G, L] for the step's query."""
 
+    def layers_read_whole(self, num_layers: int) -> tuple[int, ...]:
+        """Layers whose decoding steps read every held entry (a storage that rebuilds what it reads keeps them plain)."""
+        return ()
+
 
 @dataclass
 class Storage(Part):
@@ -297,7 +301,9 @@ class Storage(Part):
                              "head at once: use +kivi with it, or deltakv with a policy that keeps every entry "
                              "(omnikv, quest)")
 
-    def storage(self, dtype: torch.dtype) -> tuple[Any, int]:
+    def storage(self, dtype: torch.dtype, read_whole: tuple[int, ...] = ()) -> tuple[Any, int]:
+        """(the codec, each head's newest entries kept plain) for a model of ``dtype``; ``read_whole``: the layers
+        whose every entry each decoding step reads (``Reads.layers_read_whole``)."""
         raise NotImplementedError
 
 

@@ -141,10 +141,12 @@ class Policy:
         for part in self.parts().values():
             part.check_model(config)
 
-    def storage_for(self, dtype: torch.dtype = torch.float32) -> tuple[Any, int] | None:
-        """How held entries are stored for a model of ``dtype``: (the codec, each head's newest entries kept
-        plain), or None for plain storage."""
-        return None if self.storage is None else self.storage.storage(dtype)
+    def storage_for(self, dtype: torch.dtype, num_layers: int) -> tuple[Any, int] | None:
+        """How held entries are stored for a model of ``dtype`` and ``num_layers`` layers: (the codec, each head's
+        newest entries kept plain), or None for plain storage."""
+        if self.storage is None:
+            return None
+        return self.storage.storage(dtype, self.reads.layers_read_whole(num_layers) if self.reads is not None else ())
 
     @property
     def always_kept(self) -> int:

@@ -14,9 +14,8 @@ logit (scaled, its log-weight added, -inf on a hole; columns past a head's lengt
 sums are made of (H2O's). Returns ``out`` [R, Hq, d] in the query's dtype and ``lse`` [R, Hq] float32 (-inf where a
 head holds nothing, whose output is 0).
 
-* On the CPU: a small C++ kernel (``csrc/paged_decode.cpp``), compiled on first use with the system's C++
-  compiler through ``torch.utils.cpp_extension`` and cached (``make setup`` builds it; ``python -c "from
-  kvcompress.read.paged import build; build()"`` builds it by hand). Each KV head's entries are cut into chunks read in
+* On the CPU: a small C++ kernel (``kvcompress/csrc/paged_decode.cpp``), compiled on first use with the system's C++
+  compiler through ``torch.utils.cpp_extension`` and cached (``kernels.py``; ``make setup`` builds it). Each KV head's entries are cut into chunks read in
   parallel (flash-decoding) with an online softmax in float32; a key or value row is loaded once for
   its GQA group, straight from the pool, in the pool's dtype (float32, bfloat16 or float16).
 * On a CUDA GPU: the same in Triton (``paged_triton.py``; tested on the CPU through Triton's interpreter).
@@ -26,38 +25,16 @@ head holds nothing, whose output is 0).
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-from pathlib import Path
 
 import torch
 
+from ..kernels import cpu_kernels
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
 from ..store.view import KiviBlocks
 from .tables import KIVI_FIELDS, stacked, stacked_log_weights
 
-log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp")]
 NOTHING = torch.empty(0)  # the kernel's "none" for a tensor argument
-_built: object | None = None
-_failed: str | None = None
-
-
-def cpu_kernel():
-    """The compiled CPU kernel's module (built and cached on first use), or None when it cannot be built."""
-    global _built, _failed
-    if _built is None and _failed is None:
-        try:
-            from torch.utils.cpp_extension import load
-
-            _ninja_on_path()
-            _built = load(name="kvcompress_kernels", sources=[str(source) for source in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
-                          extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as error:  # no compiler, no headers: the plain PyTorch path still reads correctly
-            _failed = f"{type(error).__name__}: {error}"
-            log.warning("the paged decode kernel could not be built (%s); decoding gathers entries in PyTorch instead", _failed)
-    return _built
 
 
 def triton_kernel():
@@ -69,15 +46,6 @@ def triton_kernel():
     return paged_decode_triton
 
 
-def _ninja_on_path() -> None:
-    """Put the ``ninja`` package's binary (a dependency) on PATH, where torch's extension builder looks for it."""
-    try:
-        import ninja
-    except ImportError:  # a system ninja may still be there
-        return
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
 def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
                  log_weights: list[torch.Tensor | None] | None, scaling: float, kivi: KiviBlocks | None = None,
                  scores: torch.Tensor | None = None, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +53,7 @@ def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     ``longest``: the longest head's length where the caller knows it (spares the GPU read a wait for ``lengths``)."""
     if query.device.type == "cuda" and (triton_read := triton_kernel()) is not None:
         return triton_read(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores, longest)
-    kernel = cpu_kernel() if query.device.type == "cpu" else None
+    kernel = cpu_kernels() if query.device.type == "cpu" else None
     if kernel is None:
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
     weights = [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * len(tables)
@@ -147,8 +115,3 @@ def _gathered(keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, kivi:
         k.index_copy_(0, where, ck.float())
         v.index_copy_(0, where, cv.float())
     return k, v
-
-
-def build() -> None:
-    """Build (and cache) the CPU kernel now rather than at the first decoding step (``make setup`` calls it)."""
-    print("paged decode kernel:", "built" if cpu_kernel() is not None else f"not built ({_failed})")

@@ -8,7 +8,7 @@ first ``pages`` are laid out page after page: column p · page_size + t where th
 [B, H] best, scores above -inf, and ``open`` [B, H, P · page_size] holds at that column, else -1 (a hole). The head's
 ``protected`` columns [B, H, W] (-1: none) come first, as given. Bounds are never NaN.
 
-On the CPU the compiled kernel (``csrc/top_pages.cpp``, built with the decoding read's) does it in one call per layer
+On the CPU the compiled kernel (``kvcompress/csrc/top_pages.cpp``, built with the decoding read's) does it in one call per layer
 (the PyTorch path is a score of small operations, each paying its dispatch); elsewhere, or where the kernel is not
 built, ``top_pages_torch``, the reference it is tested against.
 """
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from .paged import cpu_kernel
+from ..kernels import cpu_kernels
 
 
 def top_pages(bound: torch.Tensor, useful: torch.Tensor, count: torch.Tensor, protected: torch.Tensor, open_columns: torch.Tensor,
               page_size: int, pages: int) -> torch.Tensor:
     """The columns a head reads: its protected ones, then its best pages' (see the module docstring)."""
-    kernel = cpu_kernel() if bound.device.type == "cpu" else None
+    kernel = cpu_kernels() if bound.device.type == "cpu" else None
     if kernel is None:
         return top_pages_torch(bound, useful, count, protected, open_columns, page_size, pages)
     return kernel.top_pages(bound.float().contiguous(), useful.contiguous(), count.long().contiguous(),

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_kernels
 from .codecs import Fields, KiviCodec, PlainCodec, field_bytes, pack, unpack
 from .slots import ENTRY_MASK, TIER_SHIFT
 
@@ -47,11 +48,11 @@ def rope(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, in
     """Keys [..., n, d] rotated to ``positions`` [..., n] (transformers' rotate-half RoPE), float32;
     ``inverse`` undoes it."""
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(keys.device)  # [..., n, d/2]
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    k = keys.float()
-    half = k.shape[-1] // 2
-    rotated = torch.cat([-k[..., half:], k[..., :half]], -1)
-    return k * cos - rotated * sin if inverse else k * cos + rotated * sin
+    cos, sin = angles.cos(), angles.sin()
+    first, second = keys.float().chunk(2, -1)
+    if inverse:  # the products of k·cos ∓ rotate_half(k)·sin, half by half (bit for bit the same)
+        return torch.cat([first * cos + second * sin, second * cos - first * sin], -1)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
 
 
 def token_vectors(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -254,6 +255,7 @@ class DeltaKVCodec:
         self.key = f"deltakv:{id(weights)}:{bits}:{sorted(self.full_layers)}:{chunk}"
         self.references: object | None = None  # the reference tier's pool (``attach``)
         self.reference_tier = 0
+        self.rotary = torch.empty(0, weights.head_dim)  # [P, d]: cos, then sin, of p · inv_freq for every position coded
 
     def codes_layer(self, layer: int) -> bool:
         return layer not in self.full_layers
@@ -285,14 +287,35 @@ class DeltaKVCodec:
 
     # ----- reading --------------------------------------------------------------------------
     def decode(self, arrays, entries):
+        """Keys and values [n, d] float32 of ``entries`` (block · H + head): 4-bit codes on the CPU through the compiled
+        pass (``csrc/deltakv_rebuild.cpp``: each token rebuilt once, in one matrix product per layer), else
+        ``decode_torch``."""
+        kernel = cpu_kernels() if entries.device.type == "cpu" and self.bits == 4 else None
+        if kernel is None:
+            return self.decode_torch(arrays, entries)
+        w, references = self.weights, self.references.arrays
+        keys, values = kernel.deltakv_rebuild(
+            entries.long().contiguous(), arrays["code"], arrays["code_zero"], arrays["code_scale"], arrays["refs"], arrays["position"],
+            arrays["layer"], references["keys"], references["values"], references["position"], w.decoder, w.scale, self.rotary)
+        return keys, values
+
+    def decode_torch(self, arrays, entries):
+        """``decode`` in plain PyTorch: the reference of the compiled pass."""
         h = self.block_size
         blocks, heads = entries // h, entries % h
         unique, inverse = torch.unique(blocks, return_inverse=True)
         keys, values = self.reconstruct(arrays, unique)  # [u, H, d] each
         return keys[inverse, heads], values[inverse, heads]
 
+    def cover_positions(self, last: int) -> None:
+        """Grow the rotary table (at least doubling) to hold position ``last``: RoPE's angles as ``rope`` takes them."""
+        if last < self.rotary.shape[0]:
+            return
+        angles = torch.arange(max(last + 1, 2 * self.rotary.shape[0], 1024), dtype=torch.float32)[:, None] * self.weights.inv_freq.cpu()
+        self.rotary = torch.cat([angles.cos(), angles.sin()], -1).to(self.rotary.device)
+
     def reconstruct(self, arrays, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (RoPE applied) and values [n, H, d] float32 of coded tokens ``blocks`` [n]."""
+        """Keys (RoPE applied) and values [n, H, d] float32 of coded tokens ``blocks`` [n], in plain PyTorch."""
         w = self.weights
         refs = arrays["refs"].index_select(0, blocks).long()  # [n, k]
         shared, inverse = torch.unique(refs, return_inverse=True)  # a reference serves many tokens: un-rotate it once
@@ -353,6 +376,7 @@ class DeltaKVCodec:
         old = slots[:, columns]  # [H, m]
         keys, values = pool.gather(old)  # [H, m, d]
         pos = positions[columns]
+        self.cover_positions(int(pos.max()))
         w, h = self.weights, self.block_size
         x = token_vectors(keys, values, pos, w.inv_freq)  # [m, 2Hd]
         held = ((slots[0] >> TIER_SHIFT) == self.reference_tier).nonzero().squeeze(1)

@@ -456,8 +456,14 @@ class SlotTable:
                 return None
             coded = pool.tiers
             if len(coded) > 1:  # which tiers these rows name (with one tier, any row may)
-                named = set().union(*(torch.unique(s[:, : int(n.max())] >> TIER_SHIFT).tolist() for s, n in zip(slots, lengths)))
-                coded = [pool.tiers[t - 1] for t in sorted(named - {0})]
+                tiers = [s[:, : int(n.max())] >> TIER_SHIFT for s, n in zip(slots, lengths)]
+                if not any(bool(t.any()) for t in tiers):
+                    coded = []
+                elif not any(isinstance(store.codec, KiviCodec) for store in pool.tiers):
+                    return None  # coded entries, and of no tier the kernels read
+                else:
+                    named = set().union(*(torch.unique(t).tolist() for t in tiers))
+                    coded = [pool.tiers[t - 1] for t in sorted(named - {0})]
             if len(coded) > 1 or (coded and not isinstance(coded[0].codec, KiviCodec)):
                 return None
             tier = pool.tiers.index(coded[0]) + 1 if coded else 0

@@ -1,0 +1,51 @@
+"""The compiled CPU kernels (``csrc/``): one C++/OpenMP extension module, built with the system's C++ compiler through
+``torch.utils.cpp_extension`` on first use and cached (``make setup`` builds it; ``python -c "from kvcompress.kernels
+import build; build()"`` builds it by hand). Each C++ file's header comment gives its contract, and each has a plain
+PyTorch path beside its caller, the reference it is tested against and what runs where the module cannot be built:
+
+* ``paged_decode.cpp``: the decoding read over slot tables (``read/paged.py``);
+* ``top_pages.cpp``: Quest's best pages as entry columns (``read/pages.py``);
+* ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_built: object | None = None
+_failed: str | None = None
+
+
+def cpu_kernels():
+    """The compiled module (built and cached on first use), or None when it cannot be built."""
+    global _built, _failed
+    if _built is None and _failed is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            _ninja_on_path()
+            _built = load(name="kvcompress_kernels", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
+                          extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as error:  # no compiler, no headers: the plain PyTorch paths still run correctly
+            _failed = f"{type(error).__name__}: {error}"
+            log.warning("the CPU kernels could not be built (%s); their plain PyTorch paths run instead", _failed)
+    return _built
+
+
+def _ninja_on_path() -> None:
+    """Put the ``ninja`` package's binary (a dependency) on PATH, where torch's extension builder looks for it."""
+    try:
+        import ninja
+    except ImportError:  # a system ninja may still be there
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def build() -> None:
+    """Build (and cache) the CPU kernels now rather than at their first use (``make setup`` calls it)."""
+    print("CPU kernels:", "built" if cpu_kernels() is not None else f"not built ({_failed})")
