@@ -12,10 +12,12 @@ project's prose, ``--prompt-tokens`` long), greedy, ``ignore_eos``. Each engine 
 with one new token (the prefill time), then with ``--max-tokens`` (the whole time); so
 
 * prefill tokens/s = prompt tokens ÷ the first time,
-* decode tokens/s = (new tokens − one per prompt) ÷ (the whole time − the first),
 * end-to-end tokens/s = new tokens ÷ the whole time,
+* decode tokens/s, within the whole run, driven step by step (``LLMEngine.step``, ``kvc.LLM.step``): the new
+  tokens made after every prompt had its first ÷ the time after that (a difference of two runs' times, the
+  earlier measure, carried the prefill's run-to-run noise into the decoding left after it),
 
-each the best of ``--repeats`` runs (prefill time varies more than the decoding time left after it), and
+each the best of ``--repeats`` runs, and
 "same answers" counts the prompts whose new tokens equal vLLM full's token for token.
 """
 
@@ -52,13 +54,32 @@ llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enable_prefix_caching=False, m
           max_num_seqs=len(cfg["ids"]), max_num_batched_tokens=cfg["max_num_batched_tokens"], seed=0)
 prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["ids"]]
 greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def stepped(run):  # one run driven step by step: its seconds, the decode rate after every prompt's first token, the answers
+    engine, made, answers, first_at, before = llm.llm_engine, {}, {}, None, 0
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{run}-{i}", prompt, greedy(cfg["max_tokens"]))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            made[out.request_id] = len(out.outputs[0].token_ids)  # cumulative outputs: every token so far
+            if out.finished:
+                answers[out.request_id] = list(out.outputs[0].token_ids)
+        if first_at is None and len(made) == len(prompts) and all(made.values()):
+            first_at, before = time.perf_counter(), sum(made.values())
+    end = time.perf_counter()
+    return end - start, (len(prompts) * cfg["max_tokens"] - before) / (end - first_at), [answers[f"{run}-{i}"] for i in range(len(prompts))]
+
+
 llm.generate(prompts[:1], greedy(2), use_tqdm=False)  # warm
 first = whole = float("inf")
-for _ in range(cfg["repeats"]):  # the best of each: prefill time varies more than the decoding it is subtracted from
+decode = 0.0
+for run in range(cfg["repeats"]):  # the best of each
     start = time.perf_counter(); llm.generate(prompts, greedy(1), use_tqdm=False); first = min(first, time.perf_counter() - start)
-    start = time.perf_counter(); outs = llm.generate(prompts, greedy(cfg["max_tokens"]), use_tqdm=False)
-    whole = min(whole, time.perf_counter() - start)
-print("RESULT " + json.dumps({"first_s": first, "whole_s": whole, "answers": [list(o.outputs[0].token_ids) for o in outs]}))
+    seconds, rate, answers = stepped(run)
+    whole, decode = min(whole, seconds), max(decode, rate)
+print("RESULT " + json.dumps({"first_s": first, "whole_s": whole, "decode_tokens_per_s": decode, "answers": answers}))
 """
 
 
@@ -84,9 +105,9 @@ def prompt_ids(tokenizer, count: int, tokens: int) -> list[list[int]]:
     return [ids[i * stride:][:tokens] for i in range(count)]
 
 
-def rates(ids: list[list[int]], max_tokens: int, first: float, whole: float) -> dict:
+def rates(ids: list[list[int]], max_tokens: int, first: float, whole: float, decode: float) -> dict:
     prompts, prompt_tokens = len(ids), sum(map(len, ids))
-    return {"prefill_tokens_per_s": prompt_tokens / first, "decode_tokens_per_s": prompts * (max_tokens - 1) / (whole - first),
+    return {"prefill_tokens_per_s": prompt_tokens / first, "decode_tokens_per_s": decode,
             "end_to_end_tokens_per_s": prompts * max_tokens / whole, "first_s": first, "whole_s": whole}
 
 
@@ -102,22 +123,37 @@ def run_vllm(ids: list[list[int]], args) -> dict:
     if line is None:
         raise RuntimeError(f"vLLM failed:\n{done.stderr[-3000:]}")
     result = json.loads(line[len("RESULT "):])
-    return {"engine": "vLLM CPU", "method": "full", **rates(ids, args.max_tokens, result["first_s"], result["whole_s"]),
-            "answers": result["answers"]}
+    return {"engine": "vLLM CPU", "method": "full",
+            **rates(ids, args.max_tokens, result["first_s"], result["whole_s"], result["decode_tokens_per_s"]), "answers": result["answers"]}
+
+
+def stepped(llm, ids: list[list[int]], max_tokens: int, method: str) -> tuple[float, float, list]:
+    """One run driven step by step, as vLLM's: (its seconds, the decode rate after every prompt's first token, the outputs)."""
+    params = kvc.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    requests = [llm.add_request(prompt, params, method=method) for prompt in ids]
+    first_at, before = None, 0
+    while llm.has_unfinished():
+        llm.step()
+        made = [len(llm.request(r).output_ids) for r in requests] if first_at is None else ()
+        if made and all(made):
+            first_at, before = time.perf_counter(), sum(made)
+    end = time.perf_counter()
+    return end - start, (len(ids) * max_tokens - before) / (end - first_at), [llm.output(r) for r in requests]
 
 
 def run_kvcompress(llm, method: str, ids: list[list[int]], args) -> dict:
     greedy = lambda n: kvc.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     llm.generate(ids[:1], greedy(2), method=method)  # warm
     first = whole = float("inf")
+    decode = 0.0
     for _ in range(args.repeats):  # the best of each, as for vLLM
         start = time.perf_counter()
         llm.generate(ids, greedy(1), method=method)
         first = min(first, time.perf_counter() - start)
-        start = time.perf_counter()
-        outs = llm.generate(ids, greedy(args.max_tokens), method=method)
-        whole = min(whole, time.perf_counter() - start)
-    return {"engine": "kvcompress", "method": method, **rates(ids, args.max_tokens, first, whole),
+        seconds, rate, outs = stepped(llm, ids, args.max_tokens, method)
+        whole, decode = min(whole, seconds), max(decode, rate)
+    return {"engine": "kvcompress", "method": method, **rates(ids, args.max_tokens, first, whole, decode),
             "answers": [o.token_ids for o in outs], "kr": sum(o.stats.get("kr", 1.0) for o in outs) / len(outs)}
 
 
@@ -135,6 +171,8 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("runs/vs_vllm.json"))
     args = parser.parse_args()
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be at least 2: the decode rate is measured after every prompt's first token")
     torch.set_num_threads(args.threads)
     llm = kvc.LLM(kv_memory=args.kv_memory, max_num_seqs=args.prompts, max_num_batched_tokens=args.max_num_batched_tokens,
                   dtype=args.dtype)
