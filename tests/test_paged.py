@@ -39,10 +39,10 @@ def _kivi_blocks(gen: torch.Generator, dim: int, bits: int, group_size: int, blo
 
 
 def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list[int], hole_rate: float, weighted: bool,
-          dtype: torch.dtype, coded_rate: float = 0.0, bits: int = 2, group_size: int = 8):
+          dtype: torch.dtype, coded_rate: float = 0.0, bits: int = 2, group_size: int = 8, query_dtype: torch.dtype = torch.float32):
     """A pool of random entries and per-row slot tables (strided views of (slot, position) pairs, with spare
     columns), some entries holes (slot 0) and some (``coded_rate``) entries of a KIVI tier; and the same entries
-    laid out densely, decoded, for the reference."""
+    laid out densely, decoded, for the reference. The query in ``query_dtype`` (the engine's: the pool's)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.tensor(lengths, dtype=torch.long).view(rows, heads)
     longest = int(lengths.max())
@@ -66,7 +66,7 @@ def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list
         pairs[:, :, :longest, 0][coded] = ((KIVI_TIER << TIER_SHIFT) | entries).int()
         dense_keys[coded], dense_values[coded] = kivi.codec.decode(kivi.arrays, entries)
     weights = torch.randn(rows, heads, longest + 5, 3, generator=gen) if weighted else None  # column 1: the log-weights
-    query = torch.randn(rows, heads * groups, dim, generator=gen)
+    query = torch.randn(rows, heads * groups, dim, generator=gen).to(query_dtype)
     capacity = [int(lengths[r].max()) + r for r in range(rows)]  # each row's table as wide as its own longest head (+ r)
     tables = [pairs[r, :, : capacity[r], 0] for r in range(rows)]
     log_weights = [weights[r, :, : capacity[r], 1] for r in range(rows)] if weighted else None
@@ -172,8 +172,10 @@ def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, w
     change nothing."""
     tolerance = tolerance or TOLERANCE[dtype]
     lengths = data.draw(st.lists(st.sampled_from([0, 1, 5, 63, 64, 65, 511, 513, 1100]), min_size=rows * heads, max_size=rows * heads))
+    query_dtype = data.draw(st.sampled_from([torch.float32, dtype]))  # the engine's query comes in the pool's dtype
     query, keys, values, tables, lengths, log_weights, view, kivi = _case(seed, rows, heads, groups, dim, lengths, hole_rate, weighted,
-                                                                          dtype, coded_rate, bits, group_size)
+                                                                          dtype, coded_rate, bits, group_size, query_dtype)
+    rounding = torch.finfo(query_dtype).eps if query_dtype != torch.float32 else 0.0  # the output comes back in the query's dtype
     scaling = 1 / math.sqrt(dim)
     ref_out, ref_lse, ref_sums = read_reference(query[:, :, None], torch.ones(rows, 1, dtype=torch.long), view, scaling, col_sums=True)
     longest = view.shape[2]
@@ -187,7 +189,8 @@ def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, w
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse[:, :, 0])), fn.__name__
         finite = torch.isfinite(lse)
         assert torch.allclose(lse[finite], ref_lse[:, :, 0][finite], atol=tolerance, rtol=tolerance), fn.__name__
-        assert torch.allclose(out, ref_out[:, :, 0], atol=tolerance * 10, rtol=tolerance), fn.__name__
+        assert out.dtype == query_dtype
+        assert torch.allclose(out.float(), ref_out[:, :, 0], atol=tolerance * 10, rtol=tolerance + rounding), fn.__name__
         assert bool((out[~finite] == 0).all())
         if longer:
             out_longer, lse_longer = (t.cpu() for t in fn(query, keys, values, tables, lengths, log_weights, scaling, kivi, None,

@@ -9,6 +9,10 @@
 // log-sum-exp. Out: the attention output [R, Hq, d] and the log partition function [R, Hq] (float32,
 // -inf where a head has no entry).
 //
+// Plain keys' logits are computed sixteen keys at a time where the CPU has AVX-512 (dots16); a bfloat16 query over
+// bfloat16 keys, where it also has AVX512-BF16, takes them from the bfloat16 values with VDPBF16PS (dots16_bf16: each
+// product exact in float32), with no conversion of the keys per query.
+//
 // KIVI-coded entries are read in place too: an entry id with the KIVI tier's bits (tier << shift | block · G + offset)
 // names an entry of a block of G entries of one head (read/paged.py's `KiviBlocks`). Its key is z + c · s per
 // channel (z, s the block's per-channel zero point and scale), so q · k = q · z + (q ⊙ s) · c: q · z and q ⊙ s are
@@ -234,6 +238,31 @@ template <typename scalar_t>
 inline void dots16(const float*, int64_t, const scalar_t* const*, int64_t, const float*, float*) {}
 #endif
 
+#if defined(__AVX512BF16__)
+constexpr bool BF16_DOTS = true;  // bfloat16 queries against bfloat16 keys with the CPU's bfloat16 dot products (below)
+
+// dots16 for a bfloat16 query (unscaled, as the model made it) and bfloat16 keys: logits[g * BLOCK + e] =
+// scaling · (q_g · k_e) + bias[e], with VDPBF16PS (32 channels a step, each product exact in float32, summed in float32)
+// instead of converting every key to float32 once per query; d a multiple of 32.
+inline void dots16_bf16(const at::BFloat16* q, float scaling, int64_t groups, const at::BFloat16* const* rows, int64_t d,
+                        const float* bias, float* logits) {
+  const __m512 offset = _mm512_loadu_ps(bias), scale = _mm512_set1_ps(scaling);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[16];
+    for (int e = 0; e < 16; ++e) acc[e] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32) {
+      const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + g * d + c);
+      for (int e = 0; e < 16; ++e) acc[e] = _mm512_dpbf16_ps(acc[e], qc, (__m512bh)_mm512_loadu_si512(rows[e] + c));
+    }
+    _mm512_storeu_ps(logits + g * BLOCK, _mm512_fmadd_ps(sums16(acc), scale, offset));
+  }
+}
+#else
+constexpr bool BF16_DOTS = false;
+
+inline void dots16_bf16(const at::BFloat16*, float, int64_t, const at::BFloat16* const*, int64_t, const float*, float*) {}
+#endif
+
 template <typename scalar_t>
 inline void axpy(float* acc, float p, const scalar_t* v, int64_t d) {
 #pragma omp simd
@@ -326,9 +355,9 @@ inline Kind classify(int64_t id, int64_t num_slots, const Kivi& kivi, int64_t& w
 // One chunk [begin, end) of one head: the unnormalised output acc [G, d], its running max m [G] and sum l [G]; where
 // `scores` is given ([G, stride] of this head's queries), each entry's logit (-inf on a hole) at its column.
 template <typename scalar_t>
-void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* keys, const scalar_t* values, int64_t num_slots,
-                  const Kivi& kivi, const Table& table, int64_t head, int64_t begin, int64_t end, float* acc, float* m, float* l,
-                  float* scores, int64_t scores_stride, std::atomic<bool>& out_of_range) {
+void attend_chunk(const float* q, const at::BFloat16* q_bf16, float scaling, int64_t groups, int64_t d, const scalar_t* keys,
+                  const scalar_t* values, int64_t num_slots, const Kivi& kivi, const Table& table, int64_t head, int64_t begin,
+                  int64_t end, float* acc, float* m, float* l, float* scores, int64_t scores_stride, std::atomic<bool>& out_of_range) {
   std::vector<float> logits(groups * BLOCK);
   const bool wide = WIDE_DOTS && d % 16 == 0;  // plain keys' logits sixteen at a time
   const std::vector<scalar_t> zeros(wide ? d : 0, scalar_t(0));  // the row a hole or coded entry reads among plain keys
@@ -364,7 +393,14 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
           rows[e] = plain ? keys + where[i] * d : zeros.data();
           bias[e] = plain ? bias_of(i) : 0.f;
         }
-        if (any) dots16(q, groups, rows, d, bias, logits.data() + i0);
+        if (!any) continue;
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (q_bf16 != nullptr) {
+            dots16_bf16(q_bf16, scaling, groups, rows, d, bias, logits.data() + i0);
+            continue;
+          }
+        }
+        dots16(q, groups, rows, d, bias, logits.data() + i0);
       }
     }
     for (int64_t i = 0; i < n; ++i) {  // a key is loaded once for the group's queries
@@ -445,12 +481,14 @@ void attend_chunk(const float* q, int64_t groups, int64_t d, const scalar_t* key
 }
 
 template <typename scalar_t>
-void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const Kivi& kivi,
-         const std::vector<Table>& tables, const at::Tensor& lengths, at::Tensor& out, at::Tensor& lse, at::Tensor& scores) {
+void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, const at::Tensor& keys, const at::Tensor& values,
+         const Kivi& kivi, const std::vector<Table>& tables, const at::Tensor& lengths, at::Tensor& out, at::Tensor& lse,
+         at::Tensor& scores) {
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t heads = lengths.size(1), groups = hq / heads;
   const int64_t num_slots = keys.size(0);
   const float* q = query.data_ptr<float>();
+  const at::BFloat16* q_bf16 = query_bf16.defined() ? query_bf16.data_ptr<at::BFloat16>() : nullptr;
   const int64_t* length = lengths.data_ptr<int64_t>();
   const scalar_t* k = keys.data_ptr<scalar_t>();
   const scalar_t* v = values.data_ptr<scalar_t>();
@@ -469,7 +507,8 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t rh = owner[t], r = rh / heads, h = rh % heads;
       const int64_t begin = (t - first[rh]) * CHUNK, end = std::min(length[rh], begin + CHUNK);
-      attend_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, k, v, num_slots, kivi, tables[r], h, begin, end,
+      const int64_t offset = (r * hq + h * groups) * d;
+      attend_chunk<scalar_t>(q + offset, q_bf16 ? q_bf16 + offset : nullptr, scaling, groups, d, k, v, num_slots, kivi, tables[r], h, begin, end,
                              acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups,
                              score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride, out_of_range);
     }
@@ -624,7 +663,12 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& queries, double scaling, 
   }
   auto out = at::empty(query.sizes(), query.options());
   auto lse = at::empty({query.size(0), query.size(1)}, query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode",
-                                  [&] { run<scalar_t>(query, keys, values, kivi, views, lengths, out, lse, scores); });
+  // a bfloat16 query over bfloat16 keys: its plain keys' logits from the bfloat16 values themselves (dots16_bf16)
+  const bool bf16_dots = BF16_DOTS && WIDE_DOTS && queries.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+                         query.size(2) % 32 == 0;
+  const at::Tensor query_bf16 = bf16_dots ? queries.contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode", [&] {
+    run<scalar_t>(query, query_bf16, static_cast<float>(scaling), keys, values, kivi, views, lengths, out, lse, scores);
+  });
   return {in_dtype(out, queries.scalar_type()), lse};
 }
