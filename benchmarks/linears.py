@@ -4,8 +4,9 @@
 
 For each distinct linear shape of the model (the embedded SmolLM2-135M-Instruct by default), at the rows a
 decoding step (1, 8, 32 requests) and a prompt (512 tokens) give, in float32 and bfloat16: the best of
-``--repeats`` timings of ``F.linear`` and of ``engine/packed.py``'s packed forward, the same thread count,
-one run; and the step's total (every layer's products plus the output layer) in each form.
+``--repeats`` timings of ``F.linear`` and of ``engine/packed.py``'s forward (oneDNN over the packed copy; in bfloat16
+over at most 16 rows, the compiled ``linear_rows`` where the CPU has AVX512-BF16), the same thread count, one run; and
+the step's total (every layer's products plus the output layer) in each form.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main() -> None:
             total_plain = total_packed = 0.0
             for (out_features, in_features), count in shapes.items():
                 layer = torch.nn.Linear(in_features, out_features, bias=False).to(dtype)
-                packed = PackedLinear(layer.weight, layer.bias)
+                packed = PackedLinear([layer.weight], layer.bias)
                 x = torch.randn(rows, in_features).to(dtype)
                 with torch.no_grad():
                     plain_ms = best_ms(lambda: F.linear(x, layer.weight), args.repeats)

@@ -5,7 +5,9 @@ PyTorch path beside its caller, the reference it is tested against and what runs
 
 * ``paged_decode.cpp``: the decoding read over slot tables (``read/paged.py``);
 * ``top_pages.cpp``: Quest's best pages as entry columns (``read/pages.py``);
-* ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``).
+* ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``);
+* ``decoder_ops.cpp``: the engine decoder's norms, RoPE and SiLU, one pass each (``engine/decoder.py``);
+* ``linear_rows.cpp``: a bfloat16 linear product over a decoding step's few rows (``engine/packed.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp", "decoder_ops.cpp", "linear_rows.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _built: object | None = None
 _failed: str | None = None

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import tiny_model
+from kvcompress.kernels import cpu_kernels
 from kvcompress.engine.decoder import Decoder, _norm, _Rotary
 from kvcompress.engine.packed import FusedLinear, can_pack
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -83,7 +84,8 @@ def test_fused_products_split_into_each_layers_output_and_count_their_copy():
 @given(kind=st.sampled_from(["llama", "qwen3"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), tokens=st.integers(1, 40),
        start=st.integers(0, 400), seed=st.integers(0, 2**16))
 def test_the_rotary_and_the_norms_are_transformers_bit_for_bit(kind, dtype, tokens, start, seed):
-    """``_Rotary`` (a roll and a signed sine) and ``_norm`` (``F.rms_norm``) compute transformers' numbers exactly."""
+    """``_Rotary`` (a roll and a signed sine; the compiled ``rope`` too) and ``_norm`` (``F.rms_norm``) compute
+    transformers' numbers exactly."""
     model = tiny_model(kind, layers=1, seed=seed % 5).to(dtype)
     stack, attention = model.model, model.model.layers[0].self_attn
     gen = torch.Generator().manual_seed(seed)
@@ -92,14 +94,80 @@ def test_the_rotary_and_the_norms_are_transformers_bit_for_bit(kind, dtype, toke
     q, k = (torch.randn(tokens, h, 16, generator=gen).to(dtype) for h in (4, 2))
     cos, sin = stack.rotary_emb(hidden[None], positions[None])
     expected_q, expected_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    rotary = _Rotary(stack.rotary_emb, hidden, positions)
-    assert torch.equal(rotary(q), expected_q[0].transpose(0, 1)) and torch.equal(rotary(k), expected_k[0].transpose(0, 1))
+    for kernels in [None] + ([cpu_kernels()] if cpu_kernels() is not None else []):
+        rotary = _Rotary(stack.rotary_emb, hidden, positions, kernels)
+        assert torch.equal(rotary(q), expected_q[0].transpose(0, 1)) and torch.equal(rotary(k), expected_k[0].transpose(0, 1))
     norms = [model.model.layers[0].input_layernorm, stack.norm] + ([attention.q_norm] if kind == "qwen3" else [])
     for module in norms:
         x = hidden if module.weight.shape[0] == 64 else q
-        assert _norm(module) is not module and torch.equal(_norm(module)(x), module(x))
+        s, normed = _norm(module)(x)
+        assert s is x and torch.equal(normed, module(x))
+        s, normed = _norm(module)(x, -x)
+        assert torch.equal(s, x - x) and torch.equal(normed, module(x - x))
+
+
+def last_place(dtype: torch.dtype) -> float:
+    """The spacing of the dtype's numbers relative to their size (one unit in the last place)."""
+    return torch.finfo(dtype).eps
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels are not built")
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), tokens=st.integers(1, 40),
+       width=st.sampled_from([8, 64, 96, 576]), adds=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 30.0]),
+       seed=st.integers(0, 2**16))
+def test_the_compiled_norm_and_silu_are_their_pytorch_forms_to_the_last_place(dtype, tokens, width, adds, scale, seed):
+    """``add_rms_norm`` and ``silu_mul`` (``csrc/decoder_ops.cpp``) against the plain PyTorch forms they replace: the
+    residual sum exact; the norm and SiLU·up within four units of the dtype's last place (the norm's float32 sum runs in
+    another order, then two products round; SiLU's exp is another polynomial, less exact where it is tiny), and in bfloat16 and float16 almost every number exactly equal."""
+    kernels, gen = cpu_kernels(), torch.Generator().manual_seed(seed)
+    hidden, delta = ((torch.randn(tokens, width, generator=gen) * scale).to(dtype) for _ in range(2))
+    weight = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+    module = type("RMSNorm", (torch.nn.Module,), {})()  # the plain form, as ``_norm`` builds it without kernels
+    module.weight, module.variance_epsilon = weight, 1e-6
+    s, normed = kernels.add_rms_norm(hidden, delta if adds else None, weight, 1e-6)
+    expected_s, expected = _norm(module)(hidden, delta if adds else None)
+    assert torch.equal(s, expected_s)
+    gate_up = (torch.randn(tokens, 2 * width, generator=gen) * 4 * scale).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    pairs = [(normed, expected), (kernels.silu_mul(gate_up), F.silu(gate) * up)]
+    for got, want in pairs:
+        tiny = 1e-3 * last_place(dtype) * float(want.float().abs().max())  # far below the largest number's last place
+        torch.testing.assert_close(got.float(), want.float(), rtol=4 * last_place(dtype), atol=tiny)
+        if dtype != torch.float32:
+            assert int((got != want).sum()) <= max(1, got.numel() // 20)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels are not built")
+def test_the_compiled_ops_refuse_what_they_cannot_take():
+    kernels = cpu_kernels()
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.add_rms_norm(torch.randn(2, 8), None, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="delta"):
+        kernels.add_rms_norm(torch.randn(2, 8), torch.randn(2, 4), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernels.rope(torch.randn(3, 2, 8), torch.randn(3, 1, 4), torch.randn(3, 1, 8))
+    with pytest.raises(RuntimeError, match="gate_up"):
+        kernels.silu_mul(torch.randn(3, 7))
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels are not built")
+def test_the_decoder_with_its_compiled_ops_gives_its_pytorch_forms_logits():
+    """The whole forward with the compiled norms, RoPE and SiLU against the same forward without them (Qwen3's per-head
+    norms included), and a weight in another dtype than the rows falls back to the PyTorch form."""
+    for kind, dtype in [("llama", torch.float32), ("qwen3", torch.bfloat16)]:
+        model = tiny_model(kind, layers=2, seed=1).to(dtype)
+        ids = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(1))
+        compiled = Decoder(model, pack=False)(ids, torch.arange(9), causal_attend, torch.arange(9))
+        plain = Decoder(model, pack=False, compiled=False)(ids, torch.arange(9), causal_attend, torch.arange(9))
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(compiled.float(), plain.float(), atol=tolerance * float(plain.abs().max()), rtol=tolerance)
+    norm = _norm(model.model.norm, cpu_kernels())
+    x = torch.randn(3, 64)  # float32 rows, a bfloat16 weight: PyTorch's promotion, as the module computes
+    assert torch.equal(norm(x)[1], model.model.norm(x))
 
 
 def test_a_norm_that_is_not_transformers_rmsnorm_runs_its_own_forward():
-    layer_norm = torch.nn.LayerNorm(8)
-    assert _norm(layer_norm) is layer_norm
+    layer_norm, x, delta = torch.nn.LayerNorm(8), torch.randn(3, 8), torch.randn(3, 8)
+    s, normed = _norm(layer_norm, cpu_kernels())(x, delta)
+    assert torch.equal(s, x + delta) and torch.equal(normed, layer_norm(x + delta))

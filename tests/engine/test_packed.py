@@ -1,5 +1,6 @@
 """The engine's oneDNN-packed linear layers: the same products as ``F.linear`` (to float32 rounding); the engine's
-decoder holds one packed copy of every linear weight and leaves the model's own modules as they were."""
+decoder holds one packed copy of every linear weight and leaves the model's own modules as they were. In bfloat16 over a
+decoding step's rows, the compiled ``linear_rows`` over the layers' own weights: the same products, rounded once."""
 
 import pytest
 import torch
@@ -9,18 +10,19 @@ from hypothesis import strategies as st
 
 from common import tiny_model
 from kvcompress.engine.decoder import Decoder
-from kvcompress.engine.packed import PackedLinear, can_pack, packed_or_own
+from kvcompress.engine.packed import ROWS_STREAMED, FusedLinear, PackedLinear, can_pack, packed_or_own
+from kvcompress.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.nn.Linear(2, 2)), reason="this torch build has no oneDNN packed linear")
 
 
 @settings(max_examples=20, deadline=None)
-@given(rows=st.sampled_from([1, 3, 8, 64]), lead=st.sampled_from([(), (2,)]), bias=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_a_packed_linear_computes_what_f_linear_does(rows, lead, bias, dtype, seed):
+@given(rows=st.sampled_from([1, 3, 8, 16, 17, 64]), lead=st.sampled_from([(), (2,)]), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), width=st.sampled_from([48, 64]), seed=st.integers(0, 2**16))
+def test_a_packed_linear_computes_what_f_linear_does(rows, lead, bias, dtype, width, seed):
     torch.manual_seed(seed)
-    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
-    x = torch.randn(*lead, rows, 48).to(dtype)
+    layer = torch.nn.Linear(width, 80, bias=bias).to(dtype)
+    x = torch.randn(*lead, rows, width).to(dtype)
     with torch.no_grad():
         expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
         packed = packed_or_own(layer, pack=True)
@@ -41,3 +43,59 @@ def test_the_decoder_packs_each_linear_weight_once_and_leaves_the_model_as_it_wa
         assert Decoder(model, pack=True).nbytes == weight_bytes and Decoder(model, pack=False).nbytes == 0
         assert torch.equal(model(ids).logits, before)  # transformers' own products, as before
     assert all("forward" not in m.__dict__ and isinstance(m.weight, torch.nn.Parameter) for m in linears)
+
+
+streams = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().linear_rows_available(),
+                             reason="linear_rows needs the CPU kernels and AVX512-BF16")
+
+
+@streams
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 20), pieces=st.lists(st.integers(1, 40), min_size=1, max_size=3), width=st.sampled_from([32, 64, 576]),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_rows_is_the_stacked_product_rounded_once(rows, pieces, width, bias, seed):
+    """``linear_rows`` over weights of any row counts (odd ones: a last row taken alone) and any rows of x (passes of
+    eight, the last one short) against float32 sums of the same bfloat16 numbers, rounded to bfloat16: equal but where
+    the sums' other order crosses a rounding boundary (one unit in the last place, plus float32's bound on a sum's
+    rounding error where terms cancel)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+    weights = [torch.randn(n, width, generator=gen).to(torch.bfloat16) for n in pieces]
+    b = torch.randn(sum(pieces), generator=gen).to(torch.bfloat16) if bias else None
+    out = cpu_kernels().linear_rows(x, weights, b)
+    exact = x.float() @ torch.cat(weights).float().T + (b.float() if bias else 0.0)
+    assert out.shape == (rows, sum(pieces)) and out.dtype == torch.bfloat16
+    stacked = torch.cat(weights).float()
+    sum_error = width * torch.finfo(torch.float32).eps * (x.float().abs() @ stacked.abs().T)
+    assert bool(((out.float() - exact).abs() <= torch.finfo(torch.bfloat16).eps * exact.abs() + sum_error).all())
+    assert int((out != exact.to(torch.bfloat16)).sum()) <= max(1, out.numel() // 20)
+
+
+@streams
+def test_a_bfloat16_step_streams_the_layers_own_weights_and_more_rows_use_the_packed_copy(monkeypatch):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 24, bias=True).to(torch.bfloat16), torch.nn.Linear(64, 9, bias=False).to(torch.bfloat16)]
+    fused = FusedLinear(layers, pack=True)
+    assert fused.packed.own[0].data_ptr() == layers[0].weight.data_ptr()  # no copy for the streamed path
+    calls = []
+    real = cpu_kernels().linear_rows
+    monkeypatch.setattr(fused.packed, "rows", type("Spy", (), {"linear_rows": lambda self, *a: calls.append(a[0].shape[0]) or real(*a)})())
+    with torch.no_grad():
+        for rows in (1, ROWS_STREAMED, ROWS_STREAMED + 1):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            expected = torch.cat([F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float()) for m in layers], -1)
+            torch.testing.assert_close(fused.joint(x).float(), expected, atol=0.05, rtol=0.02)
+    assert calls == [1, ROWS_STREAMED]
+
+
+@streams
+def test_linear_rows_refuses_what_it_cannot_take():
+    kernels, x = cpu_kernels(), torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.linear_rows(torch.randn(2, 48).to(torch.bfloat16), [torch.randn(4, 48).to(torch.bfloat16)], None)
+    with pytest.raises(RuntimeError, match="weights"):
+        kernels.linear_rows(x, [torch.randn(4, 64)], None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.linear_rows(x, [torch.randn(4, 64).to(torch.bfloat16)], torch.randn(5).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x, a bfloat16"):
+        kernels.linear_rows(torch.randn(2, 64), [torch.randn(4, 64).to(torch.bfloat16)], None)

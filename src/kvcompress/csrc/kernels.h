@@ -3,7 +3,32 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
 #include <vector>
+
+// exp(x) in float32, vectorizable: 2^n · p(r) with r = x − n·ln 2 (Cephes' expf polynomial, relative error ~2e-7); 0 below
+// −87 (and for −inf), +inf above 88.
+inline float exp_float(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : (x > 88.0f ? std::numeric_limits<float>::infinity() : e * scale);
+}
 
 std::vector<at::Tensor> paged_decode(const at::Tensor& query, double scaling, const at::Tensor& keys, const at::Tensor& values,
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
@@ -18,3 +43,13 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
                                         const at::Tensor& layers, const at::Tensor& ref_keys, const at::Tensor& ref_values,
                                         const at::Tensor& ref_positions, const at::Tensor& decoder, const at::Tensor& scale,
                                         const at::Tensor& rotary);
+
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+bool linear_rows_available();
+
+at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::optional<at::Tensor>& bias);

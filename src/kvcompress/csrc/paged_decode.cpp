@@ -134,25 +134,6 @@ inline void prefetch_row(const scalar_t* row, int64_t d) {
   for (int64_t offset = 0; offset < d * static_cast<int64_t>(sizeof(scalar_t)); offset += 64) __builtin_prefetch(bytes + offset);
 }
 
-// exp(x) for x ≤ 0 (a logit minus its running max), vectorizable: 2^n · p(r) with r = x − n·ln 2 (Cephes' expf
-// polynomial, relative error ~2e-7); 0 below −87 (and for −inf: holes and padding add nothing).
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : e * scale;
-}
-
 template <typename scalar_t>
 inline float dot(const float* q, const scalar_t* k, int64_t d) {
   float sum = 0.f;
@@ -445,7 +426,7 @@ void attend_chunk(const float* q, const at::BFloat16* q_bf16, float scaling, int
       float* out = acc + g * d;
       for (int64_t c = 0; c < d; ++c) out[c] *= rescale;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) probs[i] = exp_nonpositive(probs[i] - top);  // holes and padding: 0
+      for (int64_t i = 0; i < n; ++i) probs[i] = exp_float(probs[i] - top);  // holes and padding: 0
       m[g] = top;
     }
     for (int64_t g = 0; g < groups; ++g)

@@ -8,7 +8,10 @@ Llama, Mistral, Qwen2 and Qwen3 decoder layers compute, with the layers' own nor
 activation in the same order, over one row of tokens [T, D]. Where the engine packs weights
 (``engine/packed.py``) every linear product runs over a packed copy of its weight, the query, key and value
 products as one product and the gate and up products as another (their weights stacked); ``nbytes`` counts the
-copies. Results then differ from transformers' only by the order of float32 sums inside those products.
+copies. On the CPU the residual sums and norms, RoPE and SiLU·up run as one compiled pass each
+(``csrc/decoder_ops.cpp``: about 2-6 µs where their ATen operations take 8-15 µs), rounding where PyTorch rounds.
+Results then differ from transformers' only by the order of float32 sums inside those products and norms, and by
+SiLU's exp in the last bit.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_kernels
 from ..models import decoder_stack, model_facts
 from .packed import FusedLinear, copy_bytes, packed_or_own
 
@@ -31,51 +35,84 @@ class _Rotary:
     """transformers' RoPE ``x·cos + rotate_half(x)·sin`` for tokens at ``positions``, written as ``x·cos + roll(x)·sin'``
     with sin' = (−sin₁, sin₂): ``rotate_half`` (x₁, x₂) → (−x₂, x₁) is ``roll`` by half a head with the first half's sign
     moved into sin', and −(x₂·s) = x₂·(−s) exactly, so the products are transformers' bit for bit in four operations
-    instead of seven."""
+    instead of seven, or in one pass of the compiled ``rope`` (``kernels``: the CPU kernels, or None)."""
 
-    def __init__(self, rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kernels=None):
         cos, sin = (x[0, :, None] for x in rotary(hidden[None], positions[None]))  # [T, 1, d]
         half = cos.shape[-1] // 2
         self.cos, self.sin, self.half = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1), half
+        self.kernels = kernels if hidden.device.type == "cpu" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, d] rotated to its tokens' positions."""
+        if self.kernels is not None:
+            return self.kernels.rope(x, self.cos, self.sin)
         return x * self.cos + x.roll(self.half, dims=-1) * self.sin
 
 
-def _norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's RMSNorm as ``F.rms_norm`` in float32, then its weight: transformers' Llama-family RMSNorm (float32
-    mean of squares, ``rsqrt``, the weight times the result in the input's dtype) in three operations instead of eight,
-    the same numbers (tested against the module). Another norm runs its own forward."""
-    if not (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")):
-        return module
-    weight, eps = module.weight, module.variance_epsilon
+AddNorm = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
 
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+def _norm(module: nn.Module, kernels=None) -> AddNorm:
+    """The layer's norm after a residual sum: (x, delta) → (s, norm(s)) with s = x + delta (x where delta is None).
+    transformers' Llama-family RMSNorm (float32 mean of squares, ``rsqrt``, the weight times the result in the input's
+    dtype) runs as ``F.rms_norm`` in float32 then the weight, the same numbers in three operations instead of eight
+    (tested against the module), or, on the CPU with the compiled ``kernels``, the sum and the norm in one pass of
+    ``add_rms_norm`` (the mean's float32 sum in another order: the last bit may differ). Another norm runs its own forward."""
+    if not (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")):
+        def own(x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            s = x if delta is None else x + delta
+            return s, module(s)
+
+        return own
+    weight, eps = module.weight, module.variance_epsilon
+    compiled = kernels if weight.device.type == "cpu" else None
+
+    def norm(x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if compiled is not None and x.dtype == weight.dtype:
+            return tuple(compiled.add_rms_norm(x, delta, weight, eps))
+        s = x if delta is None else x + delta
+        return s, weight * F.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype)
 
     return norm
+
+
+def _gated(mlp: nn.Module, kernels=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's ``act(gate) · up`` from the gate and up products side by side [T, 2I]: SiLU's in one pass of the
+    compiled ``silu_mul`` on the CPU (its exp may differ from ATen's in the last bit), else the activation module's."""
+    act = mlp.act_fn
+    if kernels is not None and type(act).__name__ == "SiLUActivation" and mlp.gate_proj.weight.device.type == "cpu":
+        return kernels.silu_mul
+
+    def gated(joint: torch.Tensor) -> torch.Tensor:
+        gate, up = joint.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return gated
 
 
 class _Layer:
     """One decoder layer's modules, the products that share an input fused."""
 
-    def __init__(self, layer: nn.Module, head_dim: int, pack: bool):
+    def __init__(self, layer: nn.Module, head_dim: int, pack: bool, kernels=None):
         attention, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.input_norm, self.post_norm = _norm(layer.input_layernorm, kernels), _norm(layer.post_attention_layernorm, kernels)
         self.qkv = FusedLinear([attention.q_proj, attention.k_proj, attention.v_proj], pack)
         self.heads = attention.q_proj.out_features // head_dim, attention.k_proj.out_features // head_dim
         self.q_norm = self.k_norm = None
         if getattr(attention, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
-            self.q_norm, self.k_norm = _norm(attention.q_norm), _norm(attention.k_norm)
+            self.q_norm, self.k_norm = _norm(attention.q_norm, kernels), _norm(attention.k_norm, kernels)
         self.o_proj, self.scaling, self.head_dim = packed_or_own(attention.o_proj, pack), attention.scaling, head_dim
         self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack)
-        self.down_proj, self.act = packed_or_own(mlp.down_proj, pack), mlp.act_fn
+        self.down_proj, self.gated = packed_or_own(mlp.down_proj, pack), _gated(mlp, kernels)
         self.nbytes = sum(copy_bytes(p) for p in (self.qkv, self.o_proj, self.gate_up, self.down_proj))
 
-    def __call__(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, rotary: _Rotary, attend: Attend) -> torch.Tensor:
+    def __call__(self, index: int, hidden: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rotary: _Rotary,
+                 attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``hidden`` [T, D] and the previous layer's output still to add to it (``delta``, or None)
+        → this layer's (the stream with ``delta`` and its attention added, its MLP's output to add next)."""
         tokens = hidden.shape[0]
-        inputs = self.input_norm(hidden)
+        hidden, inputs = self.input_norm(hidden, delta)
         queries, kv_heads = self.heads
         heads = self.qkv.joint(inputs).view(tokens, queries + 2 * kv_heads, self.head_dim)
         value = heads[:, queries + kv_heads :]
@@ -83,33 +120,35 @@ class _Layer:
             rotated = rotary(heads[:, : queries + kv_heads])
             query, key = rotated[:, :queries], rotated[:, queries:]
         else:
-            query, key = rotary(self.q_norm(heads[:, :queries])), rotary(self.k_norm(heads[:, queries : queries + kv_heads]))
+            query = rotary(self.q_norm(heads[:, :queries])[1])
+            key = rotary(self.k_norm(heads[:, queries : queries + kv_heads])[1])
         out = attend(index, query, key, value, positions, inputs, self.scaling)
-        hidden = hidden + self.o_proj(out.reshape(tokens, -1))
-        gate, up = self.gate_up(self.post_norm(hidden))
-        return hidden + self.down_proj(self.act(gate) * up)
+        hidden, normed = self.post_norm(hidden, self.o_proj(out.reshape(tokens, -1)))
+        return hidden, self.down_proj(self.gated(self.gate_up.joint(normed)))
 
 
 class Decoder:
     """A supported causal LM's forward for the engine (``pack``: products over packed weight copies, ``nbytes`` of
-    them; else each module's own)."""
+    them; else each module's own; ``compiled``: on the CPU, the norms, RoPE and SiLU by the compiled kernels where they
+    are built, ``csrc/decoder_ops.cpp``)."""
 
-    def __init__(self, model: nn.Module, pack: bool):
+    def __init__(self, model: nn.Module, pack: bool, compiled: bool = True):
         stack, facts = decoder_stack(model), model_facts(model)
-        self.embed, self.rotary, self.norm = stack.embed_tokens, stack.rotary_emb, stack.norm
+        self.kernels = cpu_kernels() if compiled else None
+        self.embed, self.rotary, self.norm = stack.embed_tokens, stack.rotary_emb, _norm(stack.norm, self.kernels)
         self.lm_head = packed_or_own(model.lm_head, pack)
-        self.layers = [_Layer(layer, facts.head_dim, pack) for layer in stack.layers]
+        self.layers = [_Layer(layer, facts.head_dim, pack, self.kernels) for layer in stack.layers]
         self.nbytes = copy_bytes(self.lm_head) + sum(layer.nbytes for layer in self.layers)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: torch.Tensor) -> torch.Tensor:
         """Tokens ``ids`` [T] at ``positions`` [T], each layer's attention by ``attend`` → the logits [K, V] of the
         tokens at ``keep`` [K]."""
-        hidden = self.embed(ids)
-        rotary = _Rotary(self.rotary, hidden, positions)
+        hidden, delta = self.embed(ids), None
+        rotary = _Rotary(self.rotary, hidden, positions, self.kernels)
         for index, layer in enumerate(self.layers):
-            hidden = layer(index, hidden, positions, rotary, attend)
-        return self.lm_head(self.norm(hidden[keep]))
+            hidden, delta = layer(index, hidden, delta, positions, rotary, attend)
+        return self.lm_head(self.norm(hidden[keep], delta[keep])[1])
 
 
 __all__ = ["Attend", "Decoder"]
