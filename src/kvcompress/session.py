@@ -325,9 +325,10 @@ class Session:
 
     def _count_tokens(self, layers: list[LayerState], count: int) -> None:
         """``count`` more tokens of a decoding step in ``layers`` (columns, real tokens, not yet coded)."""
-        for layer in layers:
+        seen = torch._foreach_add([layer.tokens_seen for layer in layers], count)  # new tensors (a plan may hold the old), one call
+        for layer, tokens in zip(layers, seen):
             layer.seen += count
-            layer.tokens_seen = layer.tokens_seen + count
+            layer.tokens_seen = tokens
             layer.uncoded += count
 
     def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
@@ -374,6 +375,11 @@ class Session:
             self._act_on_all_layers()  # a step that did not reach the last layer (an interrupted forward)
         if layer_idx == 0:
             self._step = {}
+
+    @property
+    def follows_writes(self) -> bool:
+        """Whether ``written`` has work after a decoding step writes a layer (page bounds, coding)."""
+        return bool(self.table.page_size or self.code_tier)
 
     def written(self, layer_idx: int) -> None:
         """A decoding step's keys and values of a layer are in the pool where ``begin_step`` recorded them: the

@@ -484,6 +484,31 @@ void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, c
   std::atomic<bool> out_of_range{false};
   float* score = scores.numel() ? scores.data_ptr<float>() : nullptr;
   const int64_t score_stride = scores.numel() ? scores.size(2) : 0;
+  float* o = out.data_ptr<float>();
+  float* s = lse.data_ptr<float>();
+  const auto merge = [&](int64_t rh) {  // head (r, h)'s chunks merged by log-sum-exp into its output and lse
+    const int64_t r = rh / heads, h = rh % heads;
+    for (int64_t g = 0; g < groups; ++g) {
+      float top = NEG_INF;
+      for (int64_t t = first[rh]; t < first[rh + 1]; ++t) top = std::max(top, m[t * groups + g]);
+      float* dst = o + (r * hq + h * groups + g) * d;
+      std::fill(dst, dst + d, 0.f);
+      if (top == NEG_INF) {  // the head holds nothing: output 0, lse -inf
+        s[r * hq + h * groups + g] = NEG_INF;
+        continue;
+      }
+      float total = 0.f;
+      for (int64_t t = first[rh]; t < first[rh + 1]; ++t) {
+        if (m[t * groups + g] == NEG_INF) continue;
+        const float scale = std::exp(m[t * groups + g] - top);
+        total += l[t * groups + g] * scale;
+        const float* part = acc.data() + (t * groups + g) * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] += part[c] * scale;
+      }
+      for (int64_t c = 0; c < d; ++c) dst[c] /= total;
+      s[r * hq + h * groups + g] = top + std::log(total);
+    }
+  };
   at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t rh = owner[t], r = rh / heads, h = rh % heads;
@@ -492,36 +517,16 @@ void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, c
       attend_chunk<scalar_t>(q + offset, q_bf16 ? q_bf16 + offset : nullptr, scaling, groups, d, k, v, num_slots, kivi, tables[r], h, begin, end,
                              acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups,
                              score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride, out_of_range);
+      if (first[rh + 1] - first[rh] == 1) merge(rh);  // its only chunk: merged here, without a second parallel region
     }
   });
   TORCH_CHECK(!out_of_range, "paged_decode: a slot table names a slot outside the pool, or a coded entry of a tier it was not given");
-  float* o = out.data_ptr<float>();
-  float* s = lse.data_ptr<float>();
-  at::parallel_for(0, rows * heads, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t rh = lo; rh < hi; ++rh) {
-      const int64_t r = rh / heads, h = rh % heads;
-      for (int64_t g = 0; g < groups; ++g) {
-        float top = NEG_INF;
-        for (int64_t t = first[rh]; t < first[rh + 1]; ++t) top = std::max(top, m[t * groups + g]);
-        float* dst = o + (r * hq + h * groups + g) * d;
-        std::fill(dst, dst + d, 0.f);
-        if (top == NEG_INF) {  // the head holds nothing: output 0, lse -inf
-          s[r * hq + h * groups + g] = NEG_INF;
-          continue;
-        }
-        float total = 0.f;
-        for (int64_t t = first[rh]; t < first[rh + 1]; ++t) {
-          if (m[t * groups + g] == NEG_INF) continue;
-          const float scale = std::exp(m[t * groups + g] - top);
-          total += l[t * groups + g] * scale;
-          const float* part = acc.data() + (t * groups + g) * d;
-          for (int64_t c = 0; c < d; ++c) dst[c] += part[c] * scale;
-        }
-        for (int64_t c = 0; c < d; ++c) dst[c] /= total;
-        s[r * hq + h * groups + g] = top + std::log(total);
-      }
-    }
-  });
+  if (tasks > rows * heads) {  // heads of several chunks, merged once every chunk is done
+    at::parallel_for(0, rows * heads, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t rh = lo; rh < hi; ++rh)
+        if (first[rh + 1] - first[rh] > 1) merge(rh);
+    });
+  }
 }
 
 Param param_type(const at::Tensor& t) {

@@ -47,6 +47,8 @@ class _Step:
 
     def __init__(self, runner: ModelRunner, sessions: list[Session], slots: torch.Tensor | None, pieces: list[Piece]):
         self.runner, self.sessions, self.slots, self.pieces = runner, sessions, slots, pieces
+        self.acting = [r for r, s in enumerate(sessions) if s.acts_per_layer]  # rows whose methods act in each layer
+        self.following = [s for s in sessions if s.follows_writes]  # sessions with work after each layer's write
 
     def attend(self, layer_idx: int, query, key, value, positions, hidden, scaling: float) -> torch.Tensor:
         """Queries [T, Hq, d] and new keys/values [T, H, d] at ``positions`` [T] (attention inputs ``hidden``
@@ -55,7 +57,7 @@ class _Step:
         if rows:
             decoding = (x[:rows, :, None] for x in (query, key, value))  # [R, H, 1, d] each
             out = self.runner.decode_layer(self.sessions, layer_idx, self.slots[layer_idx], *decoding, positions[:rows, None],
-                                           scaling, hidden[:rows, None])
+                                           scaling, hidden[:rows, None], self.acting, self.following)
             if not self.pieces:
                 return out[:, :, 0]
             outs.append(out[:, :, 0])
@@ -154,17 +156,19 @@ class ModelRunner:
         return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
 
     def decode_layer(self, sessions: list[Session], layer_idx: int, slots: torch.Tensor, query, key, value, positions, scaling,
-                     hidden: torch.Tensor | None = None) -> torch.Tensor:
+                     hidden: torch.Tensor, acting: list[int], following: list[Session]) -> torch.Tensor:
         """One layer of a decoding step: each request's entries written where ``Session.begin_step`` recorded them
-        (``slots`` [R, H]), one batched read, then each method that acts per layer does (``hidden`` [R, 1, D]: the
-        step's attention inputs, for methods that gate them)."""
+        (``slots`` [R, H]; then ``Session.written`` for the ``following`` sessions), one batched read, then each method
+        that acts per layer does (the ``acting`` rows; ``hidden`` [R, 1, D]: the step's attention inputs, for methods
+        that gate them)."""
         dim = key.shape[-1]
         self.pool.write(slots.reshape(-1), key.reshape(-1, dim), value.reshape(-1, dim))
-        for session in sessions:
+        for session in following:
             session.written(layer_idx)
         parts = [(s.table, s.rows(layer_idx), s.layers[layer_idx].summary) for s in sessions]
         view = SlotTable.joint_view(self.pool, parts)
-        acting = [r for r, s in enumerate(sessions) if s.acts_per_layer]
+        if not acting:  # every request reads all it holds, and no method acts
+            return read(query, positions, view, scaling).out
         wants = {r: sessions[r].wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r in acting}
         select = self.joint_select(sessions, acting, layer_idx, query, positions, view.shape[2])
         weighing = [r for r in acting if sessions[r].wants_read_weights(layer_idx, query[r : r + 1], positions[r : r + 1])]
@@ -177,7 +181,7 @@ class ModelRunner:
             sums = None
             if wants[r]:
                 sums = result.col_sums[r : r + 1, :, : int(session.lengths(layer_idx).max())]
-            step_hidden = hidden[r : r + 1] if hidden is not None and session.observe.hidden_states else None
+            step_hidden = hidden[r : r + 1] if session.observe.hidden_states else None
             session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
         return result.out
 

@@ -367,7 +367,16 @@ class SlotTable:
 
     @ids.setter
     def ids(self, ids: torch.Tensor) -> None:
-        self._ids, self._slots = ids, None
+        self._ids, self._slots, self._slot_rows = ids, None, None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int64 [R, H] on the CPU: the entries each head holds (changed in place; a new array only on assignment)."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: torch.Tensor) -> None:
+        self._lengths, self._length_rows = lengths, None
 
     @property
     def weights(self) -> torch.Tensor | None:
@@ -375,7 +384,7 @@ class SlotTable:
 
     @weights.setter
     def weights(self, weights: torch.Tensor | None) -> None:  # the columns change only with a new array
-        self._weights, self._log_weights = weights, None
+        self._weights, self._log_weights, self._log_weight_rows = weights, None, None
 
     @property
     def slots(self) -> torch.Tensor:
@@ -390,6 +399,18 @@ class SlotTable:
         if self._log_weights is None and self.LOG_WEIGHTS in self.columns:
             self._log_weights = self._weights[..., self.columns.index(self.LOG_WEIGHTS)]
         return self._log_weights
+
+    def row_views(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row ``row``'s lengths [H], slots [H, capacity] and log-weights [H, capacity] (or None) as views of the
+        arrays, made once per array (a decoding step takes them per layer and request: one unbind, not an index each)."""
+        if self._length_rows is None:
+            self._length_rows = self._lengths.unbind(0)
+        if self._slot_rows is None:
+            self._slot_rows = self.slots.unbind(0)
+        if self._log_weight_rows is None:
+            column = self.log_weight_column()
+            self._log_weight_rows = [None] * self.num_rows if column is None else column.unbind(0)
+        return self._length_rows[row], self._slot_rows[row], self._log_weight_rows[row]
 
     @property
     def positions(self) -> torch.Tensor:
@@ -448,8 +469,8 @@ class SlotTable:
     def _pages(pool: SlotPool, rows: list[tuple[SlotTable, int]], lengths: torch.Tensor) -> Callable[[], Pages | None]:
         """The in-place form of ``rows`` (table, row), made when a read asks for it: per row a view of its slot column
         and log-weights (taken now); None unless every entry is plain or of one KIVI tier (what the kernels read)."""
-        slots = [table.slots[row] for table, row in rows]
-        weights = [None if (column := table.log_weight_column()) is None else column[row] for table, row in rows]
+        views = [table.row_views(row) for table, row in rows]
+        slots, weights = [v[1] for v in views], [v[2] for v in views]
 
         def pages() -> Pages | None:
             if not isinstance(pool.codec, PlainCodec):
@@ -483,16 +504,20 @@ class SlotTable:
         them (0 elsewhere); each part's summary applies to its own rows."""
         tables = [(table, _all(rows)) for table, rows, _ in parts]
         ranges = [range(*rows.indices(table.num_rows)) for table, rows in tables]
-        lengths = torch.cat([table.lengths[rows] for table, rows in tables])
+        every_row = [(table, row) for (table, _), part in zip(tables, ranges) for row in part]
+        lengths = torch.stack([table.row_views(row)[0] for table, row in every_row])
         heads = lengths.shape[1]
         sizes = lengths.view(-1).tolist()  # every head's length, read once (not a span per part)
         longest = max(sizes, default=0)
         starts = list(itertools.accumulate((len(part) * heads for part in ranges), initial=0))
         spans = [max(sizes[a:b], default=0) for a, b in zip(starts, starts[1:])]  # each part's longest head, for the padded forms below
 
-        @functools.cache
-        def ids() -> torch.Tensor:  # the joint (slot, position) table, made only for a read that is not in place
-            return torch.cat([_padded(table.ids[rows, :, :span], longest, PAD_IDS) for (table, rows), span in zip(tables, spans)])
+        joint: list[torch.Tensor] = []
+
+        def ids() -> torch.Tensor:  # the joint (slot, position) table, made only for a read that is not in place (once)
+            if not joint:
+                joint.append(torch.cat([_padded(table.ids[part, :, :span], longest, PAD_IDS) for (table, part), span in zip(tables, spans)]))
+            return joint[0]
 
         def log_weights() -> torch.Tensor | None:
             columns = [table.log_weight_column() for table, _ in tables]
@@ -509,7 +534,6 @@ class SlotTable:
             return pool.gather(slots if index is None else slots.gather(-1, index))
 
         summaries = [summary for _, _, summary in parts]
-        rows = [(table, row) for (table, _), part in zip(tables, ranges) for row in part]
         return KVView(
             lambda: ids()[..., 1].long(),
             lengths,
@@ -518,7 +542,7 @@ class SlotTable:
             load=load,
             log_weights=log_weights,
             summary=None if all(s is None for s in summaries) else RowSummaries(summaries, [table.ids[rows].shape[0] for table, rows in tables]),
-            pages=SlotTable._pages(pool, rows, lengths),
+            pages=SlotTable._pages(pool, every_row, lengths),
         )
 
     # ----- writing -------------------------------------------------------------------------
