@@ -52,14 +52,14 @@ streams = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().linear_r
 @streams
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 20), pieces=st.lists(st.integers(1, 40), min_size=1, max_size=3), width=st.sampled_from([32, 64, 576]),
-       bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_linear_rows_is_the_stacked_product_rounded_once(rows, pieces, width, bias, seed):
+       bias=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_rows_is_the_stacked_product_rounded_once(rows, pieces, width, bias, strided, seed):
     """``linear_rows`` over weights of any row counts (odd ones: a last row taken alone) and any rows of x (passes of
-    eight, the last one short) against float32 sums of the same bfloat16 numbers, rounded to bfloat16: equal but where
+    eight, the last one short; rows contiguous or apart) against float32 sums of the same bfloat16 numbers, rounded to bfloat16: equal but where
     the sums' other order crosses a rounding boundary (one unit in the last place, plus float32's bound on a sum's
     rounding error where terms cancel)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, width + 32 * strided, generator=gen).to(torch.bfloat16)[:, :width]  # rows apart in memory, or not
     weights = [torch.randn(n, width, generator=gen).to(torch.bfloat16) for n in pieces]
     b = torch.randn(sum(pieces), generator=gen).to(torch.bfloat16) if bias else None
     out = cpu_kernels().linear_rows(x, weights, b)
@@ -84,7 +84,7 @@ def test_a_bfloat16_step_streams_the_layers_own_weights_and_more_rows_use_the_pa
         for rows in (1, ROWS_STREAMED, ROWS_STREAMED + 1):
             x = torch.randn(rows, 64).to(torch.bfloat16)
             expected = torch.cat([F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float()) for m in layers], -1)
-            torch.testing.assert_close(fused.joint(x).float(), expected, atol=0.05, rtol=0.02)
+            torch.testing.assert_close(fused(x).float(), expected, atol=0.05, rtol=0.02)
     assert calls == [1, ROWS_STREAMED]
 
 

@@ -20,12 +20,11 @@
 
 namespace {
 
+constexpr int64_t ROWS = 8;  // rows of x per pass (a pass: two weight rows against them)
+
 #if defined(__AVX512BF16__)
 constexpr bool HAS_BF16_DOTS = true;
-constexpr int64_t ROWS = 8;      // rows of x per pass (a pass: two weight rows against them)
 constexpr int64_t AHEAD = 8192;  // bytes of weight prefetched ahead of the rows being read
-
-inline float bf16_to_float(at::BFloat16 x) { return static_cast<float>(x); }
 
 // out[m, n0 + j] = x[m] · row0[j] + bias[n0 + j] for j < PAIR (2, or 1 where only one row is left) and m < rows, over K
 // channels; x holds ROWS rows (the ones past `rows` zeros), so every loop has a fixed length and the sums stay in registers.
@@ -46,7 +45,7 @@ inline void rows_pass(const at::BFloat16* x, int64_t rows, int64_t k_channels, c
     }
   }
   for (int64_t j = 0; j < PAIR; ++j) {
-    const float b = bias ? bf16_to_float(bias[n0 + j]) : 0.f;
+    const float b = bias ? static_cast<float>(bias[n0 + j]) : 0.f;
     for (int64_t m = 0; m < rows; ++m) out[m * n_out + n0 + j] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[j][m]) + b);
   }
 }
@@ -103,8 +102,11 @@ at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weigh
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
                                     bias->size(0) == n_out),
               "linear_rows: a contiguous bfloat16 bias [Σ N], or None");
-  at::Tensor rows = at::zeros({(x.size(0) + 7) / 8 * 8, x.size(1)}, x.options());  // whole passes of eight rows
-  rows.narrow(0, 0, x.size(0)).copy_(x);
+  at::Tensor rows = x;  // whole passes of ROWS rows: padded with zero rows where x is not
+  if (!x.is_contiguous() || x.size(0) % ROWS != 0) {
+    rows = at::zeros({(x.size(0) + ROWS - 1) / ROWS * ROWS, x.size(1)}, x.options());
+    rows.narrow(0, 0, x.size(0)).copy_(x);
+  }
   at::Tensor out = at::empty({x.size(0), n_out}, x.options());
 #if defined(__AVX512BF16__)
   std::vector<Piece> pieces;

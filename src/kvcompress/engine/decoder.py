@@ -114,7 +114,7 @@ class _Layer:
         tokens = hidden.shape[0]
         hidden, inputs = self.input_norm(hidden, delta)
         queries, kv_heads = self.heads
-        heads = self.qkv.joint(inputs).view(tokens, queries + 2 * kv_heads, self.head_dim)
+        heads = self.qkv(inputs).view(tokens, queries + 2 * kv_heads, self.head_dim)
         value = heads[:, queries + kv_heads :]
         if self.q_norm is None:  # the queries and keys rotated as one
             rotated = rotary(heads[:, : queries + kv_heads])
@@ -124,7 +124,7 @@ class _Layer:
             key = rotary(self.k_norm(heads[:, queries : queries + kv_heads])[1])
         out = attend(index, query, key, value, positions, inputs, self.scaling)
         hidden, normed = self.post_norm(hidden, self.o_proj(out.reshape(tokens, -1)))
-        return hidden, self.down_proj(self.gated(self.gate_up.joint(normed)))
+        return hidden, self.down_proj(self.gated(self.gate_up(normed)))
 
 
 class Decoder:

@@ -63,12 +63,12 @@ class PackedLinear:
 
 
 class FusedLinear:
-    """Linear layers that take the same input, as one product: their outputs, in order. With ``pack`` (and
-    ``can_pack`` for each) the product runs over a packed copy of their weights stacked (``nbytes``); otherwise
-    each layer runs its own forward and nothing is copied."""
+    """Linear layers that take the same input, as one product: their outputs side by side, one tensor [..., Σ out].
+    With ``pack`` (and ``can_pack`` for each) the product runs over a packed copy of their weights stacked
+    (``nbytes``); otherwise each layer runs its own forward and nothing is copied."""
 
     def __init__(self, modules: list[nn.Linear], pack: bool):
-        self.modules, self.sizes, self.packed = modules, [m.out_features for m in modules], None
+        self.modules, self.packed = modules, None
         if pack and all(can_pack(m) for m in modules):
             biases = [m.bias for m in modules]
             bias = None
@@ -77,13 +77,7 @@ class FusedLinear:
             self.packed = PackedLinear([m.weight for m in modules], bias)
         self.nbytes = 0 if self.packed is None else self.packed.nbytes
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.packed is None:
-            return [module(x) for module in self.modules]
-        return list(self.packed(x).split(self.sizes, dim=-1))
-
-    def joint(self, x: torch.Tensor) -> torch.Tensor:
-        """The outputs side by side, one tensor [..., Σ out]."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([module(x) for module in self.modules], dim=-1) if self.packed is None else self.packed(x)
 
 
