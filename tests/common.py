@@ -185,7 +185,6 @@ class TestLayer:
         state = self._state
         self.session.table.append(self.session.pool, keys, values, positions, rows=self.session.rows(self.idx))
         state.seen += keys.shape[2]
-        state.tokens_seen = state.tokens_seen + keys.shape[2]
 
     def decode_step(self, method, col_sums=None, query=None, positions=None) -> None:
         """After an ``append``: the method's decode step with the given column sums [B, H, L]."""

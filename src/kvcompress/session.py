@@ -45,16 +45,30 @@ from .store.view import UNCHANGED, Edit, KVView, LayerContext, LayerInput
 @dataclass
 class LayerState:
     """A layer of a session beside its entries: the summary of what left, the method's state, what the
-    prefill recorded, token counts (``seen`` columns incl. padding, ``tokens_seen`` [B] real)."""
+    prefill recorded, token counts (``seen`` columns incl. padding; ``padding`` [B] of them each row's padding,
+    fixed at the prefill: every later token is real)."""
 
     scaling: float
     summary: Any = None
     state: dict = field(default_factory=dict)
     observations: dict = field(default_factory=dict)
     seen: int = 0
-    tokens_seen: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
     uncoded: int = 0  # entries appended per head since the layer was last coded (coded storage)
     prefilling: bool = False  # more chunks of the prompt follow (a chunked prefill): not compressed yet
+
+    def __post_init__(self) -> None:
+        self.padded = 0 if self.padding is None else int(self.padding.sum())  # every row's padding, summed
+
+    @property
+    def tokens_seen(self) -> torch.Tensor:
+        """Real tokens each row has seen [B] (int64; made when asked: a decoding step only counts ``seen``)."""
+        return self.seen - self.padding
+
+    def count(self, tokens: int) -> None:
+        """``tokens`` more real tokens in every row (a decoding step's, a prompt chunk's)."""
+        self.seen += tokens
+        self.uncoded += tokens
 
 
 class Session:
@@ -125,9 +139,9 @@ class Session:
         else:
             out, _ = prompt_attention(query, key, value, scaling, mask)
         self.table.append(self.pool, key, value, positions, token_valid, rows=self.rows(layer_idx))
-        tokens = torch.full((batch,), n, dtype=torch.long) if token_valid is None else token_valid.sum(1).cpu()
+        padding = torch.zeros(batch, dtype=torch.long) if token_valid is None else n - token_valid.sum(1).cpu()
         observations = self._observations(query, positions, sums, token_valid, hidden_stats, hidden)
-        self.layers[layer_idx] = LayerState(scaling, seen=n, tokens_seen=tokens, observations=observations, prefilling=True)
+        self.layers[layer_idx] = LayerState(scaling, seen=n, padding=padding, observations=observations, prefilling=True)
         if final:
             self._prompt_complete(layer_idx)
         return out
@@ -156,7 +170,6 @@ class Session:
             self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
         layer.observations = self._more_observations(layer.observations, query, positions, sums, hidden)
         layer.seen += key.shape[2]
-        layer.tokens_seen = layer.tokens_seen + key.shape[2]
         if final:
             self._prompt_complete(layer_idx)
         return out
@@ -321,21 +334,14 @@ class Session:
     def _count_reads(self, read: int, layers: list[int]) -> None:
         """A decoding step's ``read`` entries over ``layers``, beside what a full cache would have read there (``cr``)."""
         self.reads[0] += read
-        self.reads[1] += int(torch.cat([self.layers[i].tokens_seen for i in layers]).sum()) * self.num_kv_heads
-
-    def _count_tokens(self, layers: list[LayerState], count: int) -> None:
-        """``count`` more tokens of a decoding step in ``layers`` (columns, real tokens, not yet coded)."""
-        seen = torch._foreach_add([layer.tokens_seen for layer in layers], count)  # new tensors (a plan may hold the old), one call
-        for layer, tokens in zip(layers, seen):
-            layer.seen += count
-            layer.tokens_seen = tokens
-            layer.uncoded += count
+        full = sum(self.layers[i].seen * self.batch_size - self.layers[i].padded for i in layers)
+        self.reads[1] += full * self.num_kv_heads
 
     def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place."""
         self._start_step(layer_idx)
         self.table.append(self.pool, key, value, positions, rows=self.rows(layer_idx))
-        self._count_tokens([self.layers[layer_idx]], key.shape[2])
+        self.layers[layer_idx].count(key.shape[2])
         self.code_due(layer_idx)
 
     def begin_step(self, position: int) -> torch.Tensor:
@@ -355,7 +361,8 @@ class Session:
         except BaseException:
             self.pool.release(slots.reshape(-1))  # not recorded: nothing holds them
             raise
-        self._count_tokens(self.layers, 1)
+        for layer in self.layers:
+            layer.count(1)
         if not self.acts_per_layer:
             self._count_reads(self.table.num_entries(), list(range(self.num_layers)))
         return slots

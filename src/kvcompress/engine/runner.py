@@ -49,6 +49,9 @@ class _Step:
         self.runner, self.sessions, self.slots, self.pieces = runner, sessions, slots, pieces
         self.acting = [r for r, s in enumerate(sessions) if s.acts_per_layer]  # rows whose methods act in each layer
         self.following = [s for s in sessions if s.follows_writes]  # sessions with work after each layer's write
+        self.tables = [s.table for s in sessions]
+        fixed = sessions and not self.acting and not self.following  # no table changes but the writes begin_step recorded
+        self.lengths = SlotTable.step_lengths(self.tables) if fixed else None  # every layer's lengths, read once
 
     def attend(self, layer_idx: int, query, key, value, positions, hidden, scaling: float) -> torch.Tensor:
         """Queries [T, Hq, d] and new keys/values [T, H, d] at ``positions`` [T] (attention inputs ``hidden``
@@ -56,8 +59,7 @@ class _Step:
         rows, outs = len(self.sessions), []
         if rows:
             decoding = (x[:rows, :, None] for x in (query, key, value))  # [R, H, 1, d] each
-            out = self.runner.decode_layer(self.sessions, layer_idx, self.slots[layer_idx], *decoding, positions[:rows, None],
-                                           scaling, hidden[:rows, None], self.acting, self.following)
+            out = self.decode_layer(layer_idx, *decoding, positions[:rows, None], scaling, hidden[:rows, None])
             if not self.pieces:
                 return out[:, :, 0]
             outs.append(out[:, :, 0])
@@ -77,6 +79,56 @@ class _Step:
                 out = session.prefill_more(layer_idx, *tokens, hidden=own_hidden, final=piece.final)
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
+
+    def decode_layer(self, layer_idx: int, query, key, value, positions, scaling, hidden: torch.Tensor) -> torch.Tensor:
+        """One layer of the decoding rows: each request's entries written where ``Session.begin_step`` recorded them
+        (then ``Session.written`` for the ``following`` sessions), one batched read over the layer's joint view, then
+        each method that acts per layer does (the ``acting`` rows; ``hidden`` [R, 1, D]: the step's attention inputs,
+        for methods that gate them)."""
+        sessions, acting, pool = self.sessions, self.acting, self.runner.pool
+        dim = key.shape[-1]
+        pool.write(self.slots[layer_idx].reshape(-1), key.reshape(-1, dim), value.reshape(-1, dim))
+        for session in self.following:
+            session.written(layer_idx)
+        view = SlotTable.joint_view(pool, self.tables, layer_idx, [s.layers[layer_idx].summary for s in sessions],
+                                    None if self.lengths is None else self.lengths[layer_idx])
+        if not acting:  # every request reads all it holds, and no method acts
+            return read(query, positions, view, scaling).out
+        wants = {r: sessions[r].wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r in acting}
+        select = self.joint_select(layer_idx, query, positions, view.shape[2])
+        weighing = [r for r in acting if sessions[r].wants_read_weights(layer_idx, query[r : r + 1], positions[r : r + 1])]
+        result = read(query, positions, view, scaling, select=select, col_sums=any(wants.values()), weights=bool(weighing))
+        for r in weighing:
+            length = int(sessions[r].lengths(layer_idx).max())
+            sessions[r].read_weights(layer_idx, None, query[r : r + 1], positions[r : r + 1], result.weights[r : r + 1, ..., :length])
+        for r in acting:
+            session = sessions[r]
+            sums = None
+            if wants[r]:
+                sums = result.col_sums[r : r + 1, :, : int(session.lengths(layer_idx).max())]
+            step_hidden = hidden[r : r + 1] if session.observe.hidden_states else None
+            session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
+        return result.out
+
+    def joint_select(self, layer_idx: int, query, positions, length: int) -> torch.Tensor | None:
+        """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows
+        may choose), as one index [R, H, k] into the joint view of ``length`` columns (-1: none); None when every
+        request reads all."""
+        sessions, device = self.sessions, self.runner.device
+        chosen: list[torch.Tensor | None] = [None] * len(sessions)
+        for r in self.acting:
+            chosen[r] = sessions[r].select(layer_idx, None, query[r : r + 1], positions[r : r + 1])
+        if all(c is None for c in chosen):
+            return None
+        rows = []
+        for session, choice in zip(sessions, chosen):
+            if choice is None:  # this request reads everything it holds
+                lengths = session.lengths(layer_idx).to(device)[0]
+                span = torch.arange(length, device=device)
+                choice = torch.where(span < lengths[:, None], span, -1)[None]
+            rows.append(choice)
+        width = max(c.shape[-1] for c in rows)
+        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in rows])
 
 
 class ModelRunner:
@@ -154,56 +206,6 @@ class ModelRunner:
         logits = self.decoder(as_tensor(ids), as_tensor(positions), step.attend, as_tensor(keep))
         finals = iter(logits[len(requests):])
         return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
-
-    def decode_layer(self, sessions: list[Session], layer_idx: int, slots: torch.Tensor, query, key, value, positions, scaling,
-                     hidden: torch.Tensor, acting: list[int], following: list[Session]) -> torch.Tensor:
-        """One layer of a decoding step: each request's entries written where ``Session.begin_step`` recorded them
-        (``slots`` [R, H]; then ``Session.written`` for the ``following`` sessions), one batched read, then each method
-        that acts per layer does (the ``acting`` rows; ``hidden`` [R, 1, D]: the step's attention inputs, for methods
-        that gate them)."""
-        dim = key.shape[-1]
-        self.pool.write(slots.reshape(-1), key.reshape(-1, dim), value.reshape(-1, dim))
-        for session in following:
-            session.written(layer_idx)
-        parts = [(s.table, s.rows(layer_idx), s.layers[layer_idx].summary) for s in sessions]
-        view = SlotTable.joint_view(self.pool, parts)
-        if not acting:  # every request reads all it holds, and no method acts
-            return read(query, positions, view, scaling).out
-        wants = {r: sessions[r].wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r in acting}
-        select = self.joint_select(sessions, acting, layer_idx, query, positions, view.shape[2])
-        weighing = [r for r in acting if sessions[r].wants_read_weights(layer_idx, query[r : r + 1], positions[r : r + 1])]
-        result = read(query, positions, view, scaling, select=select, col_sums=any(wants.values()), weights=bool(weighing))
-        for r in weighing:
-            length = int(sessions[r].lengths(layer_idx).max())
-            sessions[r].read_weights(layer_idx, None, query[r : r + 1], positions[r : r + 1], result.weights[r : r + 1, ..., :length])
-        for r in acting:
-            session = sessions[r]
-            sums = None
-            if wants[r]:
-                sums = result.col_sums[r : r + 1, :, : int(session.lengths(layer_idx).max())]
-            step_hidden = hidden[r : r + 1] if session.observe.hidden_states else None
-            session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
-        return result.out
-
-    def joint_select(self, sessions: list[Session], acting: list[int], layer_idx: int, query, positions,
-                     length: int) -> torch.Tensor | None:
-        """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows
-        may choose), as one index [R, H, k] into the joint view of ``length`` columns (-1: none); None when every
-        request reads all."""
-        chosen: list[torch.Tensor | None] = [None] * len(sessions)
-        for r in acting:
-            chosen[r] = sessions[r].select(layer_idx, None, query[r : r + 1], positions[r : r + 1])
-        if all(c is None for c in chosen):
-            return None
-        rows = []
-        for session, choice in zip(sessions, chosen):
-            if choice is None:  # this request reads everything it holds
-                lengths = session.lengths(layer_idx).to(self.device)[0]
-                span = torch.arange(length, device=self.device)
-                choice = torch.where(span < lengths[:, None], span, -1)[None]
-            rows.append(choice)
-        width = max(c.shape[-1] for c in rows)
-        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in rows])
 
 
 def _rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

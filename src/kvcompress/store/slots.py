@@ -27,7 +27,6 @@ Nothing here knows a method or transformers: edits arrive as ``store.view.Edit``
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -462,14 +461,14 @@ class SlotTable:
             summary=summary,
             page_bounds=None if self.page_bounds is None else self.page_bounds[rows, :, : -(-longest // self.page_size)],
             page_size=self.page_size,
-            pages=SlotTable._pages(pool, [(self, row) for row in range(*rows.indices(self.num_rows))], lengths),
+            pages=SlotTable._pages(pool, [self.row_views(row) for row in range(*rows.indices(self.num_rows))], lengths),
         )
 
     @staticmethod
-    def _pages(pool: SlotPool, rows: list[tuple[SlotTable, int]], lengths: torch.Tensor) -> Callable[[], Pages | None]:
-        """The in-place form of ``rows`` (table, row), made when a read asks for it: per row a view of its slot column
-        and log-weights (taken now); None unless every entry is plain or of one KIVI tier (what the kernels read)."""
-        views = [table.row_views(row) for table, row in rows]
+    def _pages(pool: SlotPool, views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+               lengths: torch.Tensor) -> Callable[[], Pages | None]:
+        """The in-place form of rows whose ``row_views`` are ``views``, made when a read asks for it: per row its slot
+        column and log-weights; None unless every entry is plain or of one KIVI tier (what the kernels read)."""
         slots, weights = [v[1] for v in views], [v[2] for v in views]
 
         def pages() -> Pages | None:
@@ -498,51 +497,52 @@ class SlotTable:
         return pages
 
     @staticmethod
-    def joint_view(pool: SlotPool, parts: list[tuple[SlotTable, Rows, object]]) -> KVView:
-        """One view over rows of several tables (the engine's running requests), [Σ r, H, L]: ``parts``
-        are (table, rows, summary). Heads are padded to the longest of all; log-weights where a table has
-        them (0 elsewhere); each part's summary applies to its own rows."""
-        tables = [(table, _all(rows)) for table, rows, _ in parts]
-        ranges = [range(*rows.indices(table.num_rows)) for table, rows in tables]
-        every_row = [(table, row) for (table, _), part in zip(tables, ranges) for row in part]
-        lengths = torch.stack([table.row_views(row)[0] for table, row in every_row])
-        heads = lengths.shape[1]
-        sizes = lengths.view(-1).tolist()  # every head's length, read once (not a span per part)
-        longest = max(sizes, default=0)
-        starts = list(itertools.accumulate((len(part) * heads for part in ranges), initial=0))
-        spans = [max(sizes[a:b], default=0) for a, b in zip(starts, starts[1:])]  # each part's longest head, for the padded forms below
+    def step_lengths(tables: list[SlotTable]) -> tuple[torch.Tensor, ...]:
+        """Every row's lengths of tables with the same rows, side by side: per row r, [len(tables), H] (what
+        ``joint_view`` takes for one layer of a decoding step whose tables do not change, read at once)."""
+        return torch.stack([table.lengths for table in tables], 1).unbind(0)
 
+    @staticmethod
+    def joint_view(pool: SlotPool, tables: list[SlotTable], row: int, summaries: list, lengths: torch.Tensor | None = None) -> KVView:
+        """One view over row ``row`` of each table (a layer of the engine's running requests), [len(tables), H, L]:
+        heads padded to the longest of all; log-weights where a table has them (0 elsewhere); ``summaries[i]``
+        applies to table i's row. ``lengths``: the rows' [len(tables), H], where the caller read them already
+        (``step_lengths``)."""
+        views = [table.row_views(row) for table in tables]
+        if lengths is None:
+            lengths = torch.stack([v[0] for v in views])
+        sizes = lengths.view(-1).tolist()  # every head's length, read once
+        longest = max(sizes, default=0)
+        heads = lengths.shape[1]
         joint: list[torch.Tensor] = []
 
         def ids() -> torch.Tensor:  # the joint (slot, position) table, made only for a read that is not in place (once)
             if not joint:
-                joint.append(torch.cat([_padded(table.ids[part, :, :span], longest, PAD_IDS) for (table, part), span in zip(tables, spans)]))
+                joint.append(torch.cat([_padded(table.ids[row : row + 1, :, :span], longest, PAD_IDS)
+                                        for table, span in zip(tables, _row_spans(sizes, heads))]))
             return joint[0]
 
         def log_weights() -> torch.Tensor | None:
-            columns = [table.log_weight_column() for table, _ in tables]
-            if all(column is None for column in columns):
+            if all(v[2] is None for v in views):
                 return None
-            return torch.cat([
-                _padded(column[rows, :, :span], longest, 0.0) if column is not None
-                else torch.zeros(len(part), heads, longest, device=table.device)
-                for (table, rows), column, part, span in zip(tables, columns, ranges, spans)
+            return torch.stack([
+                torch.zeros(heads, longest, device=table.device) if w is None else _padded(w[None, :, :span], longest, 0.0)[0]
+                for table, (_, _, w), span in zip(tables, views, _row_spans(sizes, heads))
             ])
 
         def load(index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             slots = ids()[..., 0]
             return pool.gather(slots if index is None else slots.gather(-1, index))
 
-        summaries = [summary for _, _, summary in parts]
         return KVView(
             lambda: ids()[..., 1].long(),
             lengths,
-            shape=(lengths.shape[0], lengths.shape[1], longest),
+            shape=(len(tables), heads, longest),
             uniform=all(n == longest for n in sizes),
             load=load,
             log_weights=log_weights,
-            summary=None if all(s is None for s in summaries) else RowSummaries(summaries, [table.ids[rows].shape[0] for table, rows in tables]),
-            pages=SlotTable._pages(pool, every_row, lengths),
+            summary=None if all(s is None for s in summaries) else RowSummaries(summaries, [1] * len(tables)),
+            pages=SlotTable._pages(pool, views, lengths),
         )
 
     # ----- writing -------------------------------------------------------------------------
@@ -871,6 +871,11 @@ class RowSummaries:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.parts if s is not None)
+
+
+def _row_spans(sizes: list[int], heads: int) -> list[int]:
+    """Each row's longest head, of every head's length ``sizes`` (``heads`` a row)."""
+    return [max(sizes[i : i + heads]) for i in range(0, len(sizes), heads)]
 
 
 def _padded(array: torch.Tensor, length: int, fill) -> torch.Tensor:
