@@ -123,3 +123,28 @@ def test_a_global_decoding_rerank_computes_the_scorers_key_once(monkeypatch):
     monkeypatch.setattr(type(policy.fate), "decode_evict", lambda *a: evictions.append(1) or original_evict(*a))
     model.generate(ids, past_key_values=CompressedCache(model, policy), max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert len(evictions) > 0 and len(keys) == len(evictions)
+
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.lists(st.integers(0, 60), min_size=2, max_size=12), size=st.integers(1, 40), slack=st.integers(0, 12),
+       steps=st.integers(1, 120))
+def test_heads_over_their_size_go_back_together_once_one_passes_the_slack(start, size, slack, steps):
+    """Heads of different lengths, one more entry each step: an eviction comes when a head holds more than size + slack,
+    and takes every head over its size back to it, so that evictions come at most once per slack + 1 steps."""
+    lengths = torch.tensor([start], dtype=torch.long)  # one row, len(start) heads
+    budgets = torch.tensor([size])
+    view = type("View", (), {"shape": (1, len(start), 0)})()
+    evictions = []
+    for step in range(steps):
+        lengths = lengths + 1
+        view.lengths = lengths
+        per_head = Adaptive().decode_per_head(None, view, None, None, budgets, slack)
+        over = lengths > size + slack
+        assert (per_head is None) == (not bool(over.any()))
+        if per_head is not None:
+            assert torch.equal(per_head, torch.where(lengths > size, torch.full_like(lengths, size), lengths))
+            lengths = per_head
+            evictions.append(step)
+        if evictions:  # over the slack only before the first
+            assert int(lengths.max()) <= size + slack
+    assert all(b - a >= slack + 1 for a, b in zip(evictions, evictions[1:]))

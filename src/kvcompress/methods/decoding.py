@@ -1,8 +1,8 @@
 """Decoding rules: what a policy does after each decoding step's read.
 
 * ``Static``: nothing; the prompt is compressed once and every later token is kept (kvpress's presses);
-* ``Evict``: the scorer sees each step (H2O's sums, the merging EMA, the gates' β of new tokens) and a head
-  holding more than its size + ``slack`` goes back to the size, what leaves meeting the policy's fate
+* ``Evict``: the scorer sees each step (H2O's sums, the merging EMA, the gates' β of new tokens) and once a head
+  holds more than its size + ``slack``, every head over its size goes back to it, what leaves meeting the policy's fate
   (StreamingLLM's rolling window, H2O, MomentKV, KeepKV, the retention gates).
 """
 
@@ -24,7 +24,8 @@ class Static(Decoding):
 
 @dataclass
 class Evict(Decoding):
-    """Evict back to the size while decoding, once a head holds more than size + ``slack`` (0: every step)."""
+    """Evict back to the size while decoding, once a head holds more than size + ``slack`` (0: every step): every
+    head over its size then goes back to it."""
 
     slack: int = 0
 

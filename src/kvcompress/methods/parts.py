@@ -190,13 +190,15 @@ class Sizer(Part):
 
     def decode_per_head(self, policy, view: KVView, context: LayerContext, key: Callable[[], torch.Tensor],
                         budgets: torch.Tensor, slack: int) -> torch.Tensor | None:
-        """While decoding, [B, H]: back to the size where a head holds more than size + ``slack``, the other heads
-        as they are; None when no head does. ``key()``: the scorer's decoding key [B, H, L] (made once, on first use)."""
+        """While decoding, [B, H]: once a head holds more than its size + ``slack``, every head over its size goes back
+        to it (the others as they are), so that the heads cross again together, ``slack`` steps on, where heads of
+        different sizes (Ada-KV's) would otherwise cross one by one, an eviction almost every step; None when no head
+        holds more than size + ``slack``. ``key()``: the scorer's decoding key [B, H, L] (made once, on first use)."""
         lengths = view.lengths
-        over = lengths > budgets[:, None].to(lengths.device) + slack
-        if not bool(over.any()):
+        sizes = budgets[:, None].to(lengths.device)
+        if not bool((lengths > sizes + slack).any()):
             return None
-        return torch.where(over, capped(budgets, view), lengths)
+        return torch.where(lengths > sizes, capped(budgets, view), lengths)
 
 
 @dataclass
