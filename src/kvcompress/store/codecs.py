@@ -28,7 +28,7 @@ Fields = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 def field_bytes(fields: Fields) -> int:
     """Bytes of one slot (or block) with a codec's ``fields``."""
-    return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in fields.values())
+    return sum(math.prod(shape) * dt.itemsize for shape, dt in fields.values())
 
 
 class Codec(Protocol):

@@ -92,6 +92,7 @@ class SlotPool:
         self.limit = capacity  # a fixed pool's budget, in plain slots
         self.budget: SlotPool = self  # the pool whose budget this one draws on (its own; a tier: its pool's)
         self._fields = self.codec.fields(head_dim, dtype)
+        self.bytes_per_slot = field_bytes(self._fields)  # of one slot (of a tier: one block)
         self._initial = min(initial, capacity if capacity is not None else initial)
         self._empty_arrays(self._initial)
         self.peak_bytes = 0  # the most bytes held at once, tiers included
@@ -146,11 +147,6 @@ class SlotPool:
     def num_used(self) -> int:
         """Slots (or blocks) held."""
         return self._arena - self._top
-
-    @property
-    def bytes_per_slot(self) -> int:
-        """Bytes of one slot (of a tier: one block)."""
-        return field_bytes(self._fields)
 
     @property
     def capacity_bytes(self) -> int:
@@ -355,7 +351,7 @@ class SlotTable:
         """(the longest head, whether every head is that long) among ``rows``."""
         sizes = self.lengths[_all(rows)].view(-1).tolist()
         longest = max(sizes, default=0)
-        return longest, all(n == longest for n in sizes)
+        return longest, min(sizes, default=0) == longest
 
     def num_entries(self, rows: Rows = None) -> int:
         return int(self.lengths[_all(rows)].sum())
