@@ -18,11 +18,6 @@
 
 namespace {
 
-template <typename scalar_t>
-inline float widen(scalar_t x) {
-  return static_cast<float>(x);
-}
-
 // x rounded to the dtype and back: what a PyTorch result in that dtype holds.
 template <typename scalar_t>
 inline float rounded(float x) {
@@ -46,7 +41,7 @@ void add_rms_norm_rows(const scalar_t* hidden, const scalar_t* delta, const scal
       scalar_t* s = sum + r * width;
       float squares = 0.f;
       for (int64_t c = 0; c < width; ++c) {
-        const float x = delta ? rounded<scalar_t>(widen(h[c]) + widen(delta[r * width + c])) : widen(h[c]);
+        const float x = delta ? rounded<scalar_t>(to_float(h[c]) + to_float(delta[r * width + c])) : to_float(h[c]);
         s[c] = static_cast<scalar_t>(x);
         const float square = x * x;
         squares += square;
@@ -55,8 +50,8 @@ void add_rms_norm_rows(const scalar_t* hidden, const scalar_t* delta, const scal
       const float inverse = 1.f / std::sqrt(mean + eps);
       scalar_t* out = normed + r * width;
       for (int64_t c = 0; c < width; ++c) {
-        const float scaled = rounded<scalar_t>(widen(s[c]) * inverse);
-        out[c] = static_cast<scalar_t>(widen(weight[c]) * scaled);
+        const float scaled = rounded<scalar_t>(to_float(s[c]) * inverse);
+        out[c] = static_cast<scalar_t>(to_float(weight[c]) * scaled);
       }
     }
   });
@@ -75,8 +70,8 @@ void rope_rows(const scalar_t* x, int64_t tokens, int64_t heads, int64_t dim, in
       scalar_t* o = out + i * dim;
       for (int64_t j = 0; j < dim; ++j) {
         const int64_t partner = j < half ? j + half : j - half;  // roll by half a head
-        const float straight = rounded<scalar_t>(widen(row[j]) * widen(c[j]));
-        const float rolled = rounded<scalar_t>(widen(row[partner]) * widen(s[j]));
+        const float straight = rounded<scalar_t>(to_float(row[j]) * to_float(c[j]));
+        const float rolled = rounded<scalar_t>(to_float(row[partner]) * to_float(s[j]));
         o[j] = static_cast<scalar_t>(straight + rolled);
       }
     }
@@ -91,9 +86,9 @@ void silu_mul_rows(const scalar_t* gate_up, int64_t rows, int64_t inner, int64_t
       const scalar_t* up = gate + inner;
       scalar_t* o = out + r * inner;
       for (int64_t c = 0; c < inner; ++c) {
-        const float g = widen(gate[c]);
+        const float g = to_float(gate[c]);
         const float silu = rounded<scalar_t>(g / (1.f + exp_float(-g)));
-        o[c] = static_cast<scalar_t>(silu * widen(up[c]));
+        o[c] = static_cast<scalar_t>(silu * to_float(up[c]));
       }
     }
   });

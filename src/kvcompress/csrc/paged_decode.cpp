@@ -62,22 +62,6 @@ struct Kivi {
   Param param = Param::f16;
 };
 
-// A stored number as float32: bfloat16 by its bits (a shift the compiler vectorizes), float16 by F16C where the CPU has it.
-inline float to_float(float x) { return x; }
-inline float to_float(at::Half x) {
-#if defined(__F16C__)
-  return _cvtsh_ss(x.x);  // one instruction where the CPU has F16C
-#else
-  return static_cast<float>(x);
-#endif
-}
-inline float to_float(at::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 // n zero points or scales from base[offset...] (16-bit or 32-bit floats) → float32.
 inline void params(const void* base, int64_t offset, int64_t n, Param type, float* out) {
   if (type == Param::f16) {
