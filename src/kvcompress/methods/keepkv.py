@@ -21,8 +21,8 @@ while decoding; the shared machinery is ``merging.Merge``):
   (≈ 1e-7 in float32; exactness holds for q̄ only, not for each query head of the group,
   and not after rounding merged keys to bf16/fp16).
 * Decoding: the EMA is updated from each step's attention (votes included); when a head
-  exceeds its budget (+ ``slack``) its lowest-EMA entries are ZIP-merged, with the current
-  query averaged over its group as the reference.
+  exceeds its budget (+ ``slack``), every head over its budget has its lowest-EMA entries
+  ZIP-merged, with the current query averaged over its group as the reference.
 * Periodic refresh (``refresh_every`` = T > 0): the original K/V of every token seen (the
   prompt, and each decoded token as it comes) and the last ``window`` queries are kept in
   CPU memory (``state["external_kv"]``, not counted in kr: its size is

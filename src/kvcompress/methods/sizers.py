@@ -7,8 +7,9 @@
   ranked over every layer and head at once;
 * ``Threshold`` (DMS-style): each head keeps its protected entries and those scoring at least τ, the size a cap.
 
-While decoding (a policy that evicts), a head holding more than its size plus the decoding rule's slack goes
-back to the size (``Global``: a request holding more than its total plus the slack is re-ranked over every layer).
+While decoding (a policy that evicts), once a head holds more than its size plus the decoding rule's slack, every
+head over its size goes back to it (``Global``: a request holding more than its total plus the slack is re-ranked
+over every layer).
 """
 
 from __future__ import annotations
