@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp", "decoder_ops.cpp", "linear_rows.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp",
+                                                              "decoder_ops.cpp", "linear_rows.cpp", "held_max_logits.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _built: object | None = None
 _failed: str | None = None

@@ -70,6 +70,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
+bool held_max_logits_available();
+
+at::Tensor held_max_logits(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& lse, double scaling);
+
 bool linear_rows_available();
 
 at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::optional<at::Tensor>& bias);

@@ -9,10 +9,12 @@
   mask, and the CPU flash kernel returns the log-sum-exp that a summary merge needs. Column
   sums (H2O's and KeepKV's decode scores) come from the same logits, without materializing
   [B, H, G, q, L] probabilities twice.
-* ``replay_attention``: KVzip's replay (new tokens over the held entries and, causally, themselves),
-  its output from the flash kernel with the log-sum-exp, each held entry's largest weight from one
-  more product of the queries with the held keys, less each query's log-sum-exp (no softmax over
-  the weights, no product of weights and values).
+* ``replay_attention``: KVzip's replay (new tokens over the held entries and, causally, themselves).
+  After a prefill (every held entry real and before the replay) its output and log-sum-exp come from
+  ``chunk_attention``'s two flash calls without a mask; each held entry's largest weight is exp of its
+  largest q · k · scaling less the query's log-sum-exp (``held_max_weights``: in bfloat16 one compiled
+  pass, ``csrc/held_max_logits.cpp``, with no logits in memory; else a float32 product). Held entries
+  with holes are read in masked blocks.
 * ``chunk_attention``: a chunk of a prompt after its held entries (the engine's chunked prefill): two flash
   calls without a mask (the held entries, the chunk's causal square) merged by their log-sum-exp.
 * ``prompt_attention``: the prefill's causal attention over the prompt; with column sums
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..kernels import cpu_kernels
 from ..store.view import KVView
 from .reference import group_queries, merge_lse
 
@@ -122,9 +125,10 @@ def replay_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     groups = hq // heads
     before = key_valid is None and (length == 0 or bool(key_positions.max() < query_positions.min()))
     if before and query.device.type == "cpu" and _CPU_FLASH is not None:
-        attend = _replay_block_after_held(query, keys, values, new_keys, new_values, scaling)
-    else:
-        attend = _replay_block_masked(query, keys, values, key_positions, key_valid, new_keys, new_values, query_positions, scaling)
+        out, lse = _flash_after_held(query, keys, values, new_keys, new_values, scaling)  # lse [B, H, G·q]
+        folded = query.reshape(b, heads, groups * q, d)
+        return out, held_max_weights(folded, keys, lse, scaling, block * groups)
+    attend = _replay_block_masked(query, keys, values, key_positions, key_valid, new_keys, new_values, query_positions, scaling)
     held = keys.float().transpose(-1, -2)  # [B, H, d, L]
     outs, best = [], torch.full((b, heads, length), float("-inf"), device=keys.device)
     for start in range(0, q, block):
@@ -133,30 +137,36 @@ def replay_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         out, lse = attend(rows, part)
         outs.append(out.view(b, heads, groups, -1, d))
         logits = torch.matmul(rows.float(), held).mul_(scaling).sub_(lse.float().view(b, heads, -1, 1))  # [B, H, G·q', L]
-        if not before:
-            hidden = key_positions[:, :, None, :] > query_positions[:, None, part, None]  # [B, H, q', L]
-            if key_valid is not None:
-                hidden |= ~key_valid[:, :, None, :]
-            logits = logits.view(b, heads, groups, -1, length).masked_fill_(hidden[:, :, None], float("-inf")).view(b, heads, -1, length)
+        hidden = key_positions[:, :, None, :] > query_positions[:, None, part, None]  # [B, H, q', L]
+        if key_valid is not None:
+            hidden |= ~key_valid[:, :, None, :]
+        logits = logits.view(b, heads, groups, -1, length).masked_fill_(hidden[:, :, None], float("-inf")).view(b, heads, -1, length)
         best = torch.maximum(best, logits.amax(dim=2))
     return torch.cat(outs, dim=3).reshape(b, hq, q, d), best.exp_()
 
 
-def _replay_block_after_held(query, keys, values, new_keys, new_values, scaling):
-    """A block of replay queries (the group folded, [B, H, G·q', d]) when every held entry is real and before every
-    query: one additive mask [G·q', L + q] for all rows and heads (held: seen; new: causal), the flash kernel."""
-    b, heads, length, d = keys.shape
-    groups, q = query.shape[1] // heads, new_keys.shape[2]
-    every_key = torch.cat([keys, new_keys], dim=2).to(query.dtype)  # once, in the queries' dtype, for every block
-    every_value = torch.cat([values, new_values], dim=2).to(query.dtype)
+def held_max_weights(rows: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float, block: int = 1024) -> torch.Tensor:
+    """Each held entry's largest weight from any of ``rows`` [B, H, R, d] (queries, the GQA group folded), all of which
+    see every held entry [B, H, L, d]: exp(max over rows of q · k · scaling − the row's lse [B, H, R]) → [B, H, L]
+    float32. Over bfloat16 on a CPU with AVX512-BF16, one compiled pass (``csrc/held_max_logits.cpp``: exact products,
+    float32 sums, no logits in memory); else ``held_max_weights_torch``."""
+    kernel = cpu_kernels() if rows.device.type == "cpu" and rows.dtype == keys.dtype == torch.bfloat16 else None
+    if kernel is None or not kernel.held_max_logits_available() or rows.shape[-1] % 2:
+        return held_max_weights_torch(rows, keys, lse, scaling, block)
+    return kernel.held_max_logits(rows, keys, lse.float(), scaling).exp_()
 
-    def attend(rows: torch.Tensor, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        later = torch.arange(q, device=rows.device)[None, :] > torch.arange(part.start, part.stop, device=rows.device)[:, None]
-        mask = torch.zeros(later.shape[0], length + q, dtype=rows.dtype, device=rows.device)
-        mask[:, length:].masked_fill_(later, float("-inf"))
-        return _CPU_FLASH(rows, every_key, every_value, 0.0, False, attn_mask=mask.repeat(groups, 1)[None, None], scale=scaling)
 
-    return attend
+def held_max_weights_torch(rows: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float, block: int = 1024
+                           ) -> torch.Tensor:
+    """``held_max_weights`` in plain PyTorch, the logits in float32 ``block`` rows at a time: the reference."""
+    b, heads, r, _ = rows.shape
+    held = keys.float().transpose(-1, -2)  # [B, H, d, L]
+    best = torch.full((b, heads, keys.shape[2]), float("-inf"), device=keys.device)
+    for start in range(0, r, block):
+        part = slice(start, min(r, start + block))
+        logits = torch.matmul(rows[:, :, part].float(), held).mul_(scaling).sub_(lse[:, :, part, None].float())
+        best = torch.maximum(best, logits.amax(dim=2))
+    return best.exp_()
 
 
 def _replay_block_masked(query, keys, values, key_positions, key_valid, new_keys, new_values, query_positions, scaling):
@@ -196,16 +206,27 @@ def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         positions = torch.arange(length + c, device=query.device).expand(b, heads, length + c)
         whole = KVView.of(torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2), positions)
         return read_masked(query, positions[:, 0, length:], whole, scaling)[0]
+    return _flash_after_held(query, keys, values, new_keys, new_values, scaling)[0]
+
+
+def _flash_after_held(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor,
+                      new_values: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_attention`` on the CPU's flash kernel: the held entries (the GQA group folded into the query axis) and
+    the chunk's causal square, two calls without a mask merged by their log-sum-exp → output [B, Hq, c, d] in the
+    query's dtype and lse [B, H, G·c] float32 (the group folded)."""
+    b, hq, c, d = query.shape
+    heads, length = keys.shape[1], keys.shape[2]
+    groups = hq // heads
     query = query.contiguous()
     own, own_lse = _CPU_FLASH(query, repeat_kv(new_keys, groups).to(query.dtype).contiguous(),
                               repeat_kv(new_values, groups).to(query.dtype).contiguous(), 0.0, True, scale=scaling)
     if length == 0:
-        return own
+        return own, own_lse.float().reshape(b, heads, groups * c)
     folded = query.view(b, heads, groups * c, d)
     held, held_lse = _CPU_FLASH(folded, keys.to(query.dtype), values.to(query.dtype), 0.0, False, scale=scaling)
-    out, _ = merge_lse(held.float().reshape(b, heads, groups, c, d), held_lse.float().reshape(b, heads, groups, c),
-                       own.float().reshape(b, heads, groups, c, d), own_lse.float().reshape(b, heads, groups, c))
-    return out.to(query.dtype).reshape(b, hq, c, d)
+    out, lse = merge_lse(held.float().reshape(b, heads, groups, c, d), held_lse.float().reshape(b, heads, groups, c),
+                         own.float().reshape(b, heads, groups, c, d), own_lse.float().reshape(b, heads, groups, c))
+    return out.to(query.dtype).reshape(b, hq, c, d), lse.reshape(b, heads, groups * c)
 
 
 # ----- the prompt ----------------------------------------------------------------------------
