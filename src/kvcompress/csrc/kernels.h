@@ -70,9 +70,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
-bool held_max_logits_available();
+bool replay_held_available();
 
-at::Tensor held_max_logits(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& lse, double scaling);
+std::vector<at::Tensor> replay_held(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& rest_lse,
+                                    double scaling);
 
 bool linear_rows_available();
 

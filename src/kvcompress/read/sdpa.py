@@ -10,11 +10,12 @@
   sums (H2O's and KeepKV's decode scores) come from the same logits, without materializing
   [B, H, G, q, L] probabilities twice.
 * ``replay_attention``: KVzip's replay (new tokens over the held entries and, causally, themselves).
-  After a prefill (every held entry real and before the replay) its output and log-sum-exp come from
-  ``chunk_attention``'s two flash calls without a mask; each held entry's largest weight is exp of its
-  largest q · k · scaling less the query's log-sum-exp (``held_max_weights``: in bfloat16 one compiled
-  pass, ``csrc/held_max_logits.cpp``, with no logits in memory; else a float32 product). Held entries
-  with holes are read in masked blocks.
+  After a prefill (every held entry real and before the replay): the chunk's causal square by the
+  flash kernel, and the held entries in bfloat16 by one compiled pass (``csrc/replay_held.cpp``: the
+  output, the log-sum-exp and each held entry's largest weight, with no logits in memory), merged by
+  log-sum-exp; elsewhere ``chunk_attention``'s two flash calls and, for the weights, the largest
+  q · k · scaling less the query's log-sum-exp from a float32 product (``held_max_weights``). Held
+  entries with holes are read in masked blocks.
 * ``chunk_attention``: a chunk of a prompt after its held entries (the engine's chunked prefill): two flash
   calls without a mask (the held entries, the chunk's causal square) merged by their log-sum-exp.
 * ``prompt_attention``: the prefill's causal attention over the prompt; with column sums
@@ -125,9 +126,7 @@ def replay_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     groups = hq // heads
     before = key_valid is None and (length == 0 or bool(key_positions.max() < query_positions.min()))
     if before and query.device.type == "cpu" and _CPU_FLASH is not None:
-        out, lse = _flash_after_held(query, keys, values, new_keys, new_values, scaling)  # lse [B, H, G·q]
-        folded = query.reshape(b, heads, groups * q, d)
-        return out, held_max_weights(folded, keys, lse, scaling, block * groups)
+        return _replay_after_held(query, keys, values, new_keys, new_values, scaling, block)
     attend = _replay_block_masked(query, keys, values, key_positions, key_valid, new_keys, new_values, query_positions, scaling)
     held = keys.float().transpose(-1, -2)  # [B, H, d, L]
     outs, best = [], torch.full((b, heads, length), float("-inf"), device=keys.device)
@@ -145,20 +144,28 @@ def replay_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return torch.cat(outs, dim=3).reshape(b, hq, q, d), best.exp_()
 
 
+def _replay_after_held(query, keys, values, new_keys, new_values, scaling, block):
+    """``replay_attention`` on the CPU when every held entry is real and before every query: (out [B, Hq, q, d], the
+    held entries' largest weights [B, H, L] float32)."""
+    b, hq, q, d = query.shape
+    heads = keys.shape[1]
+    groups = hq // heads
+    folded = query.reshape(b, heads, groups * q, d)
+    kernel = cpu_kernels() if query.dtype == keys.dtype == values.dtype == torch.bfloat16 else None
+    if kernel is None or not kernel.replay_held_available() or d % 64 or keys.shape[2] == 0:
+        out, lse = _flash_after_held(query, keys, values, new_keys, new_values, scaling)  # lse [B, H, G·q]
+        return out, held_max_weights(folded, keys, lse, scaling, block * groups)
+    own, own_lse = _own_square(query, new_keys, new_values, scaling)
+    held, held_lse, best = kernel.replay_held(folded, keys, values, own_lse, scaling)
+    out, _ = merge_lse(held.view(b, heads, groups, q, d), held_lse.view(b, heads, groups, q),
+                       own.float().reshape(b, heads, groups, q, d), own_lse.view(b, heads, groups, q))
+    return out.to(query.dtype).reshape(b, hq, q, d), best.exp_()
+
+
 def held_max_weights(rows: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float, block: int = 1024) -> torch.Tensor:
     """Each held entry's largest weight from any of ``rows`` [B, H, R, d] (queries, the GQA group folded), all of which
     see every held entry [B, H, L, d]: exp(max over rows of q · k · scaling − the row's lse [B, H, R]) → [B, H, L]
-    float32. Over bfloat16 on a CPU with AVX512-BF16, one compiled pass (``csrc/held_max_logits.cpp``: exact products,
-    float32 sums, no logits in memory); else ``held_max_weights_torch``."""
-    kernel = cpu_kernels() if rows.device.type == "cpu" and rows.dtype == keys.dtype == torch.bfloat16 else None
-    if kernel is None or not kernel.held_max_logits_available() or rows.shape[-1] % 2:
-        return held_max_weights_torch(rows, keys, lse, scaling, block)
-    return kernel.held_max_logits(rows, keys, lse.float(), scaling).exp_()
-
-
-def held_max_weights_torch(rows: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float, block: int = 1024
-                           ) -> torch.Tensor:
-    """``held_max_weights`` in plain PyTorch, the logits in float32 ``block`` rows at a time: the reference."""
+    float32, the logits in float32 ``block`` rows at a time."""
     b, heads, r, _ = rows.shape
     held = keys.float().transpose(-1, -2)  # [B, H, d, L]
     best = torch.full((b, heads, keys.shape[2]), float("-inf"), device=keys.device)
@@ -217,16 +224,26 @@ def _flash_after_held(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     b, hq, c, d = query.shape
     heads, length = keys.shape[1], keys.shape[2]
     groups = hq // heads
-    query = query.contiguous()
-    own, own_lse = _CPU_FLASH(query, repeat_kv(new_keys, groups).to(query.dtype).contiguous(),
-                              repeat_kv(new_values, groups).to(query.dtype).contiguous(), 0.0, True, scale=scaling)
+    own, own_lse = _own_square(query, new_keys, new_values, scaling)
     if length == 0:
-        return own, own_lse.float().reshape(b, heads, groups * c)
-    folded = query.view(b, heads, groups * c, d)
+        return own, own_lse
+    folded = query.reshape(b, heads, groups * c, d)
     held, held_lse = _CPU_FLASH(folded, keys.to(query.dtype), values.to(query.dtype), 0.0, False, scale=scaling)
     out, lse = merge_lse(held.float().reshape(b, heads, groups, c, d), held_lse.float().reshape(b, heads, groups, c),
-                         own.float().reshape(b, heads, groups, c, d), own_lse.float().reshape(b, heads, groups, c))
+                         own.float().reshape(b, heads, groups, c, d), own_lse.reshape(b, heads, groups, c))
     return out.to(query.dtype).reshape(b, hq, c, d), lse.reshape(b, heads, groups * c)
+
+
+def _own_square(query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's causal attention over itself by the CPU's flash kernel: (out [B, Hq, c, d] in the query's dtype, lse
+    [B, H, G·c] float32, the group folded)."""
+    b, hq, c, _ = query.shape
+    heads = new_keys.shape[1]
+    groups = hq // heads
+    own, own_lse = _CPU_FLASH(query.contiguous(), repeat_kv(new_keys, groups).to(query.dtype).contiguous(),
+                              repeat_kv(new_values, groups).to(query.dtype).contiguous(), 0.0, True, scale=scaling)
+    return own, own_lse.float().reshape(b, heads, groups * c)
 
 
 # ----- the prompt ----------------------------------------------------------------------------
