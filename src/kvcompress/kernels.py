@@ -18,7 +18,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp",
-                                                              "decoder_ops.cpp", "linear_rows.cpp", "replay_held.cpp")]
+                                                              "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _built: object | None = None
 _failed: str | None = None

@@ -44,7 +44,7 @@ def _reference_max_weights(query, keys, values, key_pos, valid, new_k, new_v, q_
        holes=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), d=st.sampled_from([8, 64]),
        seed=st.integers(0, 10**6))
 def test_replay_attention_equals_a_float64_loop(length, q, group, block, holes, dtype, d, seed):
-    """In float32, and in bfloat16 (the engine's: with a head dim of 64, through ``replay_held`` where the CPU has
+    """In float32, and in bfloat16 (the engine's: with a head dim of 64, through ``replay_chunk`` where the CPU has
     AVX512-BF16) against the loop over the same bfloat16 numbers: the scores as close as float32 sums allow, the output
     as its bfloat16 rounding."""
     gen = torch.Generator().manual_seed(seed)
@@ -68,44 +68,48 @@ def test_replay_attention_equals_a_float64_loop(length, q, group, block, holes, 
         torch.testing.assert_close(best.double(), ref_best, **best_tolerance)
 
 
-bf16_dots = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().replay_held_available(),
-                               reason="replay_held needs the CPU kernels and AVX512-BF16")
+bf16_dots = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().replay_chunk_available(),
+                               reason="replay_chunk needs the CPU kernels and AVX512-BF16")
 
 
 @bf16_dots
 @settings(max_examples=30, deadline=None)
-@given(batch=st.integers(1, 2), heads=st.integers(1, 3), rows=st.integers(1, 20), length=st.integers(1, 150),
-       d=st.sampled_from([64, 128]), rest_seen=st.booleans(), seed=st.integers(0, 10**6))
-def test_replay_held_equals_a_float64_softmax_over_the_held_entries(batch, heads, rows, length, d, rest_seen, seed):
-    """The compiled replay over held entries, for any row count (tasks of six), key count (tiles of 64, value pairs)
-    and head dim of 64s: the output and lse of the softmax over the held entries, and each entry's largest logit less
-    the row's whole lse (with what else the row sees, or nothing else: rest -inf)."""
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), group=st.integers(1, 3), chunk=st.integers(1, 9),
+       held=st.integers(0, 140), d=st.sampled_from([64, 128]), seed=st.integers(0, 10**6))
+def test_replay_chunk_equals_a_float64_softmax(batch, heads, group, chunk, held, d, seed):
+    """The compiled replay chunk, for any row count (tasks of six rows, across the group's queries), held count (key
+    tiles of 64, value pairs, none at all) and head dim of 64s: row g · q + t's softmax over the held entries and the
+    chunk's first t + 1, and each held entry's largest logit less its row's log-sum-exp."""
     gen = torch.Generator().manual_seed(seed)
-    queries = torch.randn(batch, heads, rows, d, generator=gen).to(torch.bfloat16)
-    keys = torch.randn(batch, heads, length, d, generator=gen).to(torch.bfloat16)
-    values = torch.randn(batch, heads, length, d, generator=gen).to(torch.bfloat16)
-    rest = torch.randn(batch, heads, rows, generator=gen) * 3 if rest_seen else torch.full((batch, heads, rows), float("-inf"))
-    out, lse, best = cpu_kernels().replay_held(queries, keys, values, rest, 0.2)
-    logits = queries.double() @ keys.double().transpose(-1, -2) * 0.2  # [B, H, R, L]
-    expected_lse = torch.logsumexp(logits, dim=-1)
-    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.double(), torch.softmax(logits, dim=-1) @ values.double(), atol=1e-2, rtol=1e-2)
-    whole = torch.logaddexp(expected_lse, rest.double())
-    torch.testing.assert_close(best.double(), (logits - whole[..., None]).amax(dim=2), atol=1e-5, rtol=1e-5)
+
+    def rand(n):
+        return torch.randn(batch, heads, n, d, generator=gen).to(torch.bfloat16)
+
+    rows, keys, values, new_keys, new_values = rand(group * chunk), rand(held), rand(held), rand(chunk), rand(chunk)
+    out, best = cpu_kernels().replay_chunk(rows, keys, values, new_keys, new_values, 0.2)
+    every_key, every_value = torch.cat([keys, new_keys], dim=2).double(), torch.cat([values, new_values], dim=2).double()
+    logits = rows.double() @ every_key.transpose(-1, -2) * 0.2  # [B, H, G·q, L + q]
+    token = torch.arange(group * chunk) % chunk
+    hidden = torch.arange(held + chunk)[None, :] > held + token[:, None]  # the chunk's later tokens
+    logits = logits.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    torch.testing.assert_close(out.double(), torch.softmax(logits, dim=-1) @ every_value, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(best.double(), (logits[..., :held] - lse[..., None]).amax(dim=2), atol=1e-5, rtol=1e-5)
 
 
 @bf16_dots
-def test_replay_held_refuses_what_it_cannot_take():
-    kernels, rest = cpu_kernels(), torch.zeros(1, 1, 2)
-    queries, keys = torch.randn(1, 1, 2, 64).to(torch.bfloat16), torch.randn(1, 1, 5, 64).to(torch.bfloat16)
+def test_replay_chunk_refuses_what_it_cannot_take():
+    kernels = cpu_kernels()
+    rows, keys = torch.randn(1, 1, 2, 64).to(torch.bfloat16), torch.randn(1, 1, 5, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="rows, bfloat16"):
-        kernels.replay_held(queries.float(), keys, keys, rest, 1.0)
+        kernels.replay_chunk(rows.float(), keys, keys, keys[:, :, :2], keys[:, :, :2], 1.0)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        kernels.replay_held(queries[..., :32], keys[..., :32], keys[..., :32], rest, 1.0)
-    with pytest.raises(RuntimeError, match="rest_lse, float32"):
-        kernels.replay_held(queries, keys, keys, rest[..., :1], 1.0)
-    with pytest.raises(RuntimeError, match="at least one held entry"):
-        kernels.replay_held(queries, keys[:, :, :0], keys[:, :, :0], rest, 1.0)
+        small = keys[..., :32]
+        kernels.replay_chunk(rows[..., :32], small, small, small[:, :, :2], small[:, :, :2], 1.0)
+    with pytest.raises(RuntimeError, match="rows G·q"):
+        kernels.replay_chunk(rows, keys, keys, keys[:, :, :3], keys[:, :, :3], 1.0)
+    with pytest.raises(RuntimeError, match="as many values as keys"):
+        kernels.replay_chunk(rows, keys, keys[:, :, :4], keys[:, :, :2], keys[:, :, :2], 1.0)
 
 
 def test_replay_inputs_cover_the_prompt_in_chunks_each_after_its_prompt():

@@ -70,10 +70,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
-bool replay_held_available();
+bool replay_chunk_available();
 
-std::vector<at::Tensor> replay_held(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& rest_lse,
-                                    double scaling);
+std::vector<at::Tensor> replay_chunk(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& new_keys,
+                                     const at::Tensor& new_values, double scaling);
 
 bool linear_rows_available();
 

@@ -9,7 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "Rotate-half RoPE over heads (CPU)");
   m.def("linear_rows_available", &linear_rows_available, "Whether linear_rows runs on this CPU (AVX512-BF16)");
   m.def("linear_rows", &linear_rows, "A bfloat16 linear product over a few rows, the weight streamed once (CPU)");
-  m.def("replay_held_available", &replay_held_available, "Whether replay_held runs on this CPU (AVX512-BF16)");
-  m.def("replay_held", &replay_held, "KVzip's replay over held bfloat16 entries: output, lse and each entry's largest logit (CPU)");
+  m.def("replay_chunk_available", &replay_chunk_available, "Whether replay_chunk runs on this CPU (AVX512-BF16)");
+  m.def("replay_chunk", &replay_chunk, "KVzip's replay chunk over held and its own bfloat16 entries: output and each held entry's largest log-weight (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU of the gate times the up product (CPU)");
 }

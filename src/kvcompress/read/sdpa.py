@@ -10,10 +10,9 @@
   sums (H2O's and KeepKV's decode scores) come from the same logits, without materializing
   [B, H, G, q, L] probabilities twice.
 * ``replay_attention``: KVzip's replay (new tokens over the held entries and, causally, themselves).
-  After a prefill (every held entry real and before the replay): the chunk's causal square by the
-  flash kernel, and the held entries in bfloat16 by one compiled pass (``csrc/replay_held.cpp``: the
-  output, the log-sum-exp and each held entry's largest weight, with no logits in memory), merged by
-  log-sum-exp; elsewhere ``chunk_attention``'s two flash calls and, for the weights, the largest
+  After a prefill (every held entry real and before the replay), in bfloat16, one compiled pass
+  (``csrc/replay_chunk.cpp``: the output and each held entry's largest weight, with no logits in
+  memory); elsewhere ``chunk_attention``'s two flash calls and, for the weights, the largest
   q · k · scaling less the query's log-sum-exp from a float32 product (``held_max_weights``). Held
   entries with holes are read in masked blocks.
 * ``chunk_attention``: a chunk of a prompt after its held entries (the engine's chunked prefill): two flash
@@ -151,15 +150,13 @@ def _replay_after_held(query, keys, values, new_keys, new_values, scaling, block
     heads = keys.shape[1]
     groups = hq // heads
     folded = query.reshape(b, heads, groups * q, d)
-    kernel = cpu_kernels() if query.dtype == keys.dtype == values.dtype == torch.bfloat16 else None
-    if kernel is None or not kernel.replay_held_available() or d % 64 or keys.shape[2] == 0:
+    bf16 = all(x.dtype == torch.bfloat16 for x in (query, keys, values, new_keys, new_values))
+    kernel = cpu_kernels() if bf16 else None
+    if kernel is None or not kernel.replay_chunk_available() or d % 64:
         out, lse = _flash_after_held(query, keys, values, new_keys, new_values, scaling)  # lse [B, H, G·q]
         return out, held_max_weights(folded, keys, lse, scaling, block * groups)
-    own, own_lse = _own_square(query, new_keys, new_values, scaling)
-    held, held_lse, best = kernel.replay_held(folded, keys, values, own_lse, scaling)
-    out, _ = merge_lse(held.view(b, heads, groups, q, d), held_lse.view(b, heads, groups, q),
-                       own.float().reshape(b, heads, groups, q, d), own_lse.view(b, heads, groups, q))
-    return out.to(query.dtype).reshape(b, hq, q, d), best.exp_()
+    out, best = kernel.replay_chunk(folded, keys, values, new_keys, new_values, scaling)
+    return out.to(query.dtype).view(b, hq, q, d), best.exp_()
 
 
 def held_max_weights(rows: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float, block: int = 1024) -> torch.Tensor:
