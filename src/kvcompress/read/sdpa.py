@@ -221,7 +221,9 @@ def _flash_after_held(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     b, hq, c, d = query.shape
     heads, length = keys.shape[1], keys.shape[2]
     groups = hq // heads
-    own, own_lse = _own_square(query, new_keys, new_values, scaling)
+    own, own_lse = _CPU_FLASH(query.contiguous(), repeat_kv(new_keys, groups).to(query.dtype).contiguous(),
+                              repeat_kv(new_values, groups).to(query.dtype).contiguous(), 0.0, True, scale=scaling)
+    own_lse = own_lse.float().reshape(b, heads, groups * c)
     if length == 0:
         return own, own_lse
     folded = query.reshape(b, heads, groups * c, d)
@@ -229,18 +231,6 @@ def _flash_after_held(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     out, lse = merge_lse(held.float().reshape(b, heads, groups, c, d), held_lse.float().reshape(b, heads, groups, c),
                          own.float().reshape(b, heads, groups, c, d), own_lse.reshape(b, heads, groups, c))
     return out.to(query.dtype).reshape(b, hq, c, d), lse.reshape(b, heads, groups * c)
-
-
-def _own_square(query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's causal attention over itself by the CPU's flash kernel: (out [B, Hq, c, d] in the query's dtype, lse
-    [B, H, G·c] float32, the group folded)."""
-    b, hq, c, _ = query.shape
-    heads = new_keys.shape[1]
-    groups = hq // heads
-    own, own_lse = _CPU_FLASH(query.contiguous(), repeat_kv(new_keys, groups).to(query.dtype).contiguous(),
-                              repeat_kv(new_values, groups).to(query.dtype).contiguous(), 0.0, True, scale=scaling)
-    return own, own_lse.float().reshape(b, heads, groups * c)
 
 
 # ----- the prompt ----------------------------------------------------------------------------
