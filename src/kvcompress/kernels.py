@@ -5,7 +5,8 @@ PyTorch path beside its caller, the reference it is tested against and what runs
 
 * ``paged_decode.cpp``: the decoding read over slot tables (``read/paged.py``);
 * ``top_pages.cpp``: Quest's best pages as entry columns (``read/pages.py``);
-* ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``);
+* ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``), and read in place by a decoding read
+  (``read/paged.py``);
 * ``decoder_ops.cpp``: the engine decoder's norms, RoPE and SiLU, one pass each (``engine/decoder.py``);
 * ``linear_rows.cpp``: a bfloat16 linear product over a decoding step's few rows (``engine/packed.py``).
 """

@@ -10,7 +10,9 @@ import torch
 from common import layers_of, shipped_folder, tiny_codec, tiny_model
 from conftest import tiny_tokenizer
 from kvcompress import CompressedCache, get_method
-from kvcompress.store.deltakv import DeltaKVCodec, DeltaKVWeights, reference_mask
+from kvcompress.read import paged
+from kvcompress.store.deltakv import DeltaKVWeights, reference_mask
+from kvcompress.store.slots import ENTRY_MASK, TIER_SHIFT
 from kvcompress.train.deltakv import DeltaKVTraining, train_deltakv
 
 D, HEADS, LAYERS = 16, 2, 2  # tiny_model's head dim, KV heads and layers
@@ -121,11 +123,16 @@ def test_deltakv_on_a_bf16_model_stays_finite_with_four_bit_codes():
 
 def test_selection_over_deltakv_rebuilds_only_the_entries_it_reads(monkeypatch):
     """``omnikv+deltakv``: the layers that read every entry (before the filter layer and the filter layer) stay raw, as
-    the paper's hybrid layers; the layers after a filter layer rebuild only the tokens they select."""
+    the paper's hybrid layers; the layers after a filter layer read in place and rebuild only the tokens they select."""
     rebuilt = []
-    original = DeltaKVCodec.decode
-    monkeypatch.setattr(DeltaKVCodec, "decode", lambda self, arrays, entries:
-                        rebuilt.append(torch.unique(entries // HEADS).numel()) or original(self, arrays, entries))
+    original = paged._deltakv_decode
+
+    def counting(query, keys, values, tables, lengths, *rest):
+        named = torch.cat([t[h, : int(n)] for t, row in zip(tables, lengths) for h, n in enumerate(row)]).long()
+        rebuilt.append(torch.unique((named[(named >> TIER_SHIFT) == rest[2].tier] & ENTRY_MASK) // HEADS).numel())
+        return original(query, keys, values, tables, lengths, *rest)
+
+    monkeypatch.setattr(paged, "_deltakv_decode", counting)
     model = tiny_model(seed=6, layers=4)
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(6))
     codec = f'deltakv:recent=8:checkpoint="{tiny_codec(model)}"'
@@ -136,7 +143,7 @@ def test_selection_over_deltakv_rebuilds_only_the_entries_it_reads(monkeypatch):
         logits = model(ids, past_key_values=cache).logits
         rebuilt.clear()
         model(logits[:, -1:].argmax(-1), past_key_values=cache)
-    assert len(rebuilt) == 2 and 0 < rebuilt[0] <= 24 and 0 < rebuilt[1] <= 24  # layers 2 and 3: at most what they select
+    assert rebuilt[:2] == [0, 0] and 0 < rebuilt[2] <= 24 and 0 < rebuilt[3] <= 24  # layers 0, 1 raw; 2, 3 at most what they select
     kept_raw = get_method(f"quest+{codec}", budget=24).storage_for(torch.float32, 4)[0]
     assert kept_raw.full_layers == set(method.storage.layers_left_full())  # Quest reads pages in every layer: none kept raw
 

@@ -11,9 +11,12 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from common import tiny_model
-from kvcompress.store.deltakv import (DeltaKVCodec, DeltaKVWeights, nearest_references, reference_mask, rope,
+from kvcompress.store.deltakv import (DeltaKVCodec, DeltaKVWeights, columns_in_8_bits, nearest_references, reference_mask, rope,
                                       split_vectors, token_vectors)
-from kvcompress.store.slots import SlotPool, SlotTable
+from kvcompress.read import read, read_reference
+from kvcompress.read.paged import paged_decode, paged_decode_torch
+from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
+from kvcompress.store.view import DeltaKVBlocks
 
 H, D = 2, 16
 
@@ -287,3 +290,61 @@ def test_the_compiled_rebuild_refuses_an_entry_that_is_not_coded():
     store = pool.tiers[0]
     with pytest.raises(RuntimeError, match="is not of a coded token"):
         store.codec.decode(store.arrays, torch.tensor([store.arrays["code"].shape[0] * H]))
+
+
+def _coded_rows(rows: int, n: int, recent: int, dtype: torch.dtype, seed: int, stored: bool = False):
+    """A pool holding ``rows`` rows of n random entries of layer 1, coded in 4 bits but the ``recent`` newest; ``stored``:
+    the decoder as a checkpoint stores it (8 bits per column: the compiled read's integer product)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool, table = SlotPool(D, dtype=dtype), SlotTable(rows, H)
+    weights = _weights(seed=seed % 5)
+    if stored:
+        codes, step = columns_in_8_bits(weights.decoder)
+        weights.decoder.copy_(codes.float() * step)
+    codec = DeltaKVCodec(weights, bits=4)
+    assert (codec.stored_keys() is not None) == stored
+    tier = pool.tier(codec)
+    table.append(pool, torch.randn(rows, H, n, D, generator=gen), torch.randn(rows, H, n, D, generator=gen), torch.arange(n).expand(rows, n))
+    table.code(pool, tier, recent, slice(0, rows), layer=1)
+    return pool, table, gen
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), n=st.integers(12, 90), recent=st.integers(0, 8), groups=st.sampled_from([1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), chosen=st.integers(1, 120), weighted=st.booleans(), stored=st.booleans(),
+       seed=st.integers(0, 10**6))
+def test_the_in_place_read_of_deltakv_equals_its_pytorch_path(rows, n, recent, groups, dtype, chosen, weighted, stored, seed):
+    """``paged_decode`` over tables naming plain slots, references and 4-bit codes (csrc/deltakv_rebuild.cpp's ``deltakv_decode``:
+    keys rebuilt once per token, values summed as codes and projected) against the PyTorch read of every entry rebuilt by
+    ``decode_torch``: out, lse and each entry's logit, over selections with holes and repeats, log-weights and GQA, with a
+    decoder in float32 or as a checkpoint stores it (the keys' product in integers)."""
+    pool, table, gen = _coded_rows(rows, n, recent, dtype, seed, stored)
+    pages = table.view(pool).pages
+    assert pages is not None and isinstance(pages.arrays()[2], DeltaKVBlocks)
+    pages = pages.select(torch.randint(-1, n, (rows, H, chosen), generator=gen))
+    keys, values, blocks = pages.arrays()
+    query = torch.randn(rows, H * groups, D, generator=gen).to(dtype)
+    log_weights = [torch.randn(H, chosen, generator=gen) for _ in range(rows)] if weighted else None
+    got_scores, want_scores = torch.zeros(rows, H * groups, chosen + 2), torch.zeros(rows, H * groups, chosen + 2)
+    out, lse = paged_decode(query, keys, values, pages.tables, pages.lengths, log_weights, 0.3, blocks, got_scores)
+    want, want_lse = paged_decode_torch(query, keys, values, pages.tables, pages.lengths, log_weights, 0.3, blocks, want_scores)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
+    assert out.dtype == dtype and torch.allclose(out.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5) and torch.allclose(got_scores, want_scores, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decoding_read_of_deltakv_entries_in_place_equals_the_reference():
+    """A coded table's view reads in place (pages naming DeltaKV's tiers), and ``read`` agrees with the float32 reference
+    over the same entries gathered and rebuilt; a table naming an entry of no tier given is refused."""
+    pool, table, gen = _coded_rows(2, 60, 5, torch.float32, 3)
+    view = table.view(pool)
+    query, positions = torch.randn(2, 2 * H, 1, D, generator=gen), torch.tensor([[60], [60]])
+    paged = read(query, positions, view, 0.25, col_sums=True)
+    reference, lse, sums = read_reference(query, positions, view, 0.25, col_sums=True)
+    assert torch.allclose(paged.out, reference, atol=1e-5) and torch.allclose(paged.lse, lse, atol=1e-5)
+    assert torch.allclose(paged.col_sums, sums, atol=1e-5)
+    keys, values, blocks = view.pages.arrays()
+    wrong = [t.clone() for t in view.pages.tables]
+    wrong[0][0, 3] = (blocks.tier << TIER_SHIFT) | (blocks.arrays["code"].shape[0] * H)  # past the code tier
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_decode(query[:, :, 0], keys, values, wrong, view.pages.lengths, None, 0.25, blocks)

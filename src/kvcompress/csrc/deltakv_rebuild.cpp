@@ -1,4 +1,5 @@
-// DeltaKV's coded entries rebuilt: a pass per token before and after one matrix product per layer. The contract is
+// DeltaKV's coded entries rebuilt: a pass per token before and after one matrix product per layer; and, further down,
+// `deltakv_decode`, the decoding read over slot tables that name them, in place. The contract is
 // store/deltakv.py's `DeltaKVCodec.decode`; its PyTorch path (`decode_torch`) is the reference, and this gives the same keys
 // and values to float32 rounding.
 //
@@ -20,12 +21,13 @@
 
 namespace {
 
-// Pass 1, per token: its code z [d_c] and the sum of its references' vectors [2·H·d] (keys rotated back).
+// Pass 1, per token: its code z [d_c] and the sum of its references' vectors [2·H·d] (keys rotated back); where `small`
+// is given, its 4-bit integers too [d_c] (int8).
 template <typename scalar_t>
 void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* codes, int64_t code_bytes, const at::Half* zeros,
                               const at::Half* scales, const int32_t* refs, int64_t top_k, const scalar_t* ref_keys,
                               const scalar_t* ref_values, const int32_t* ref_positions, const float* rotary, int64_t heads,
-                              int64_t head_dim, float* z, float* sums) {
+                              int64_t head_dim, float* z, float* sums, int8_t* small = nullptr) {
   const int64_t half = head_dim / 2, width = 2 * heads * head_dim;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -37,6 +39,11 @@ void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* c
         zi[2 * c] = zero + static_cast<float>(code[c] & 15) * step;
         zi[2 * c + 1] = zero + static_cast<float>(code[c] >> 4) * step;
       }
+      if (small != nullptr)
+        for (int64_t c = 0; c < code_bytes; ++c) {
+          small[i * 2 * code_bytes + 2 * c] = static_cast<int8_t>(code[c] & 15);
+          small[i * 2 * code_bytes + 2 * c + 1] = static_cast<int8_t>(code[c] >> 4);
+        }
       float* sum = sums + i * width;
       std::fill(sum, sum + width, 0.0f);
       for (int64_t r = 0; r < top_k; ++r) {
@@ -87,14 +94,11 @@ void finish(const int64_t* blocks, int64_t n, const float* decoded, const float*
   });
 }
 
-}  // namespace
-
-std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Tensor& codes, const at::Tensor& code_zero,
-                                        const at::Tensor& code_scale, const at::Tensor& refs, const at::Tensor& positions,
-                                        const at::Tensor& layers, const at::Tensor& ref_keys, const at::Tensor& ref_values,
-                                        const at::Tensor& ref_positions, const at::Tensor& decoder, const at::Tensor& scale,
-                                        const at::Tensor& rotary) {
-  TORCH_CHECK(entries.dim() == 1 && entries.scalar_type() == at::kLong && entries.is_contiguous(), "entries: int64 [m], contiguous");
+// The codec's arrays as both entry points take them, checked: codes [N, d_c / 2] with their zero points, scales, references,
+// positions and layers; the reference tier's keys, values [R, H, d] and positions; the decoder, scale and RoPE table.
+void check_codec_arrays(const at::Tensor& codes, const at::Tensor& code_zero, const at::Tensor& code_scale, const at::Tensor& refs,
+                        const at::Tensor& positions, const at::Tensor& layers, const at::Tensor& ref_keys, const at::Tensor& ref_values,
+                        const at::Tensor& ref_positions, const at::Tensor& decoder, const at::Tensor& scale, const at::Tensor& rotary) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8 [N, d_c / 2], contiguous");
   const int64_t total = codes.size(0), code_bytes = codes.size(1);
   TORCH_CHECK(code_zero.scalar_type() == at::kHalf && code_scale.scalar_type() == at::kHalf && code_zero.numel() == total &&
@@ -119,6 +123,19 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
               "scale: float32 [L, 2·H·d], contiguous");
   TORCH_CHECK(rotary.dim() == 2 && rotary.size(1) == head_dim && rotary.scalar_type() == at::kFloat && rotary.is_contiguous(),
               "rotary: float32 [P, d] (each position's cosines, then its sines), contiguous");
+}
+
+}  // namespace
+
+std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Tensor& codes, const at::Tensor& code_zero,
+                                        const at::Tensor& code_scale, const at::Tensor& refs, const at::Tensor& positions,
+                                        const at::Tensor& layers, const at::Tensor& ref_keys, const at::Tensor& ref_values,
+                                        const at::Tensor& ref_positions, const at::Tensor& decoder, const at::Tensor& scale,
+                                        const at::Tensor& rotary) {
+  TORCH_CHECK(entries.dim() == 1 && entries.scalar_type() == at::kLong && entries.is_contiguous(), "entries: int64 [m], contiguous");
+  check_codec_arrays(codes, code_zero, code_scale, refs, positions, layers, ref_keys, ref_values, ref_positions, decoder, scale, rotary);
+  const int64_t total = codes.size(0), code_bytes = codes.size(1);
+  const int64_t heads = ref_keys.size(1), head_dim = ref_keys.size(2), width = 2 * heads * head_dim;
   const int64_t table = rotary.size(0);
   const int64_t m = entries.size(0), references = ref_keys.size(0), top_k = refs.size(1), layer_count = decoder.size(0);
   const int64_t* entry_ids = entries.data_ptr<int64_t>();
@@ -189,4 +206,339 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
     }
   });
   return {entry_keys, entry_values};
+}
+
+// ----- the decoding read in place ------------------------------------------------------------------------------------------
+// `deltakv_decode`: read/paged.py's `paged_decode` contract over slot tables that name plain slots, DeltaKV's reference tier
+// and its code tier (read/paged.py's `DeltaKVBlocks`), its PyTorch path (`paged_decode_torch`, every coded entry rebuilt by
+// `decode_torch`) the reference. Two phases:
+//   1. every coded token the tables name, once: its code z, its references' mean, and its keys alone rebuilt (z · the key
+//      half of decoder[l], the scale, the mean, RoPE): half of `deltakv_rebuild`'s product, in integers where the decoder
+//      is as a checkpoint stores it (`stored_key_part`);
+//   2. per (row, KV head, chunk of DECODE_CHUNK entries) a softmax in float32 whose values never exist for a coded entry: values carry
+//      no RoPE, so Σ p_i v̂_i = ((Σ p_i z_i) · W_V) ⊙ s_V + Σ p_i m_i (W_V, s_V the head's value columns of the decoder and
+//      scale). The chunks keep Σ p z [G, d_c] beside Σ p v [G, d]; the merge projects it once per query head.
+// Tables that name plain slots only (the layers DeltaKV leaves raw) go to `paged_decode` whole.
+namespace {
+
+constexpr int64_t DECODE_CHUNK = 512;
+constexpr float MINUS_INF = -std::numeric_limits<float>::infinity();
+
+// Phase 1's end, per token: its keys [H, d] = (key_part ⊙ scale + sums / k) rotated to the token's position (scale: the
+// layer's [2·H·d]) and its references' mean values [H, d] = sums / k.
+void finish_keys(const int64_t* blocks, int64_t n, const float* key_part, const float* sums, int64_t top_k, const int32_t* positions,
+                 const float* scale, const float* rotary, int64_t heads, int64_t head_dim, float* keys, float* mean_values) {
+  const int64_t half = head_dim / 2, width = 2 * heads * head_dim;
+  const float count = static_cast<float>(top_k);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* cosines = rotary + static_cast<int64_t>(positions[blocks[i]]) * head_dim;
+      const float* sines = cosines + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* part = key_part + (i * heads + h) * head_dim;
+        const float* sum = sums + i * width + h * head_dim;
+        for (int64_t j = 0; j < head_dim; ++j) x[j] = part[j] * scale[h * head_dim + j] + sum[j] / count;
+        float* key = keys + (i * heads + h) * head_dim;
+        for (int64_t j = 0; j < half; ++j) {  // rotated to its position: k·cos + rotate_half(k)·sin
+          key[j] = x[j] * cosines[j] - x[j + half] * sines[j];
+          key[j + half] = x[j + half] * cosines[j] + x[j] * sines[j];
+        }
+        const float* value_sum = sums + i * width + (heads + h) * head_dim;
+        float* mean = mean_values + (i * heads + h) * head_dim;
+        for (int64_t j = 0; j < head_dim; ++j) mean[j] = value_sum[j] / count;
+      }
+    }
+  });
+}
+
+// z · W for the tokens `blocks` [n] where W is the decoder's key columns as a checkpoint stores them, W = codes ⊙ steps (8-bit
+// integers [d_c, H·d], a float step per column): z = zero + step · c with 4-bit integers c (`unpacked`, int8 [n, d_c]), so
+// z · W = steps ⊙ (zero · Σ_c codes + step · (c · codes)), and c · codes is an integer product (at::_int_mm: exact, several
+// times a float product's speed).
+at::Tensor stored_key_part(const int64_t* blocks, int64_t n, const at::Tensor& unpacked, const at::Tensor& code_zero,
+                           const at::Tensor& code_scale, const at::Tensor& key_codes, const at::Tensor& steps, const at::Tensor& sums) {
+  const int64_t columns = key_codes.size(1);
+  const at::Tensor products = at::_int_mm(unpacked, key_codes);  // [n, H·d] int32
+  auto part = at::empty({n, columns}, steps.options());
+  const int32_t* product = products.data_ptr<int32_t>();
+  const float* step = steps.data_ptr<float>();
+  const float* sum = sums.data_ptr<float>();
+  const at::Half* zeros = code_zero.data_ptr<at::Half>();
+  const at::Half* scales = code_scale.data_ptr<at::Half>();
+  float* out = part.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float zero = static_cast<float>(zeros[blocks[i]]), scale = static_cast<float>(scales[blocks[i]]);
+#pragma omp simd
+      for (int64_t j = 0; j < columns; ++j)
+        out[i * columns + j] = step[j] * (zero * sum[j] + scale * static_cast<float>(product[i * columns + j]));
+    }
+  });
+  return part;
+}
+
+// What one entry of a table is: a hole, a plain slot, a reference (raw, in the reference tier) or a coded token (its
+// rebuilt keys, references' mean values and code at `token` of phase 1), and the row it reads (the entry's own head).
+enum class Entry : uint8_t { hole, plain, reference, coded };
+
+struct Tiers {
+  int64_t shift, mask, code_tier, reference_tier, num_slots, references, codes, heads;
+};
+
+inline Entry entry_of(int64_t id, const Tiers& t, int64_t& row) {
+  row = 0;
+  if (id == 0) return Entry::hole;
+  const int64_t tier = id >> t.shift, e = id & t.mask;
+  if (tier == 0 && id < t.num_slots) {
+    row = id;
+    return Entry::plain;
+  }
+  if (tier == t.reference_tier && e / t.heads < t.references) {
+    row = e;
+    return Entry::reference;
+  }
+  if (tier == t.code_tier && e / t.heads >= 1 && e / t.heads < t.codes) {
+    row = e;
+    return Entry::coded;
+  }
+  return Entry::hole;
+}
+
+// Phase 2 for one chunk [begin, end) of head h of a row: acc [G, d], codes [G, d_c] (Σ p z), the chunk's max m [G] and sum l [G].
+template <typename scalar_t>
+void read_chunk(const float* q, int64_t groups, int64_t d, int64_t code_width, const Tiers& tiers, const int32_t* slots,
+                int64_t entry_stride, const float* weights, int64_t weight_stride, int64_t begin, int64_t end, const scalar_t* keys,
+                const scalar_t* values, const scalar_t* ref_keys, const scalar_t* ref_values, const float* rebuilt_keys,
+                const float* mean_values, const float* z, const int32_t* token_of, float* acc, float* codes, float* m, float* l,
+                float* scores, int64_t scores_stride) {
+  const int64_t n = end - begin;
+  std::vector<float> logits(groups * n);
+  std::vector<int64_t> rows(n);
+  std::vector<Entry> kinds(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const Entry kind = entry_of(slots[(begin + i) * entry_stride], tiers, rows[i]);
+    kinds[i] = kind;
+    const float bias = weights ? weights[(begin + i) * weight_stride] : 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = q + g * d;
+      float logit = MINUS_INF;
+      if (kind == Entry::plain) logit = dot(qg, keys + rows[i] * d, d) + bias;
+      else if (kind == Entry::reference) logit = dot(qg, ref_keys + rows[i] * d, d) + bias;
+      else if (kind == Entry::coded) {
+        const int64_t token = token_of[rows[i] / tiers.heads];
+        logit = dot(qg, rebuilt_keys + (token * tiers.heads + rows[i] % tiers.heads) * d, d) + bias;
+      }
+      logits[g * n + i] = logit;
+    }
+  }
+  if (scores)
+    for (int64_t g = 0; g < groups; ++g) std::copy(logits.data() + g * n, logits.data() + (g + 1) * n, scores + g * scores_stride + begin);
+  std::fill(acc, acc + groups * d, 0.f);
+  std::fill(codes, codes + groups * code_width, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    float* p = logits.data() + g * n;
+    float top = MINUS_INF;
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, p[i]);
+    m[g] = top;
+    l[g] = 0.f;
+    if (top == MINUS_INF) continue;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; ++i) {
+      p[i] = exp_float(p[i] - top);  // holes: 0
+      total += p[i];
+    }
+    l[g] = total;
+    float* out = acc + g * d;
+    for (int64_t i = 0; i < n; ++i) {
+      if (kinds[i] == Entry::plain) axpy(out, p[i], values + rows[i] * d, d);
+      else if (kinds[i] == Entry::reference) axpy(out, p[i], ref_values + rows[i] * d, d);
+      else if (kinds[i] == Entry::coded) {
+        const int64_t token = token_of[rows[i] / tiers.heads];
+        axpy(out, p[i], mean_values + (token * tiers.heads + rows[i] % tiers.heads) * d, d);
+        axpy(codes + g * code_width, p[i], z + token * code_width, code_width);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling, const at::Tensor& keys, const at::Tensor& values,
+                                       const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
+                                       const std::vector<at::Tensor>& weights, int64_t tier_shift, int64_t code_tier, int64_t reference_tier,
+                                       const at::Tensor& codes, const at::Tensor& code_zero, const at::Tensor& code_scale,
+                                       const at::Tensor& refs, const at::Tensor& positions, const at::Tensor& layers,
+                                       const at::Tensor& ref_keys, const at::Tensor& ref_values, const at::Tensor& ref_positions,
+                                       const at::Tensor& decoder, const at::Tensor& scale, const at::Tensor& key_codes,
+                                       const at::Tensor& key_steps, const at::Tensor& key_sums, const at::Tensor& rotary, at::Tensor scores) {
+  TORCH_CHECK(queries.dim() == 3 && at::isFloatingType(queries.scalar_type()), "query: [R, Hq, d], float32, bfloat16 or float16");
+  const at::Tensor query = (queries.to(at::kFloat) * scaling).contiguous();
+  const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
+  TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
+                  keys.scalar_type() == values.scalar_type() && keys.size(1) == d,
+              "keys and values: [S, d] of one dtype, contiguous, d as the query's");
+  TORCH_CHECK(lengths.dim() == 2 && lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.size(0) == rows,
+              "lengths: int64 [R, H]");
+  const int64_t heads = lengths.size(1);
+  TORCH_CHECK(heads > 0 && hq % heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == rows && weights.size() == tables.size(), "one table and one weight table per row");
+  TORCH_CHECK(tier_shift > 0 && tier_shift < 31 && code_tier >= 1 && reference_tier >= 1 && code_tier != reference_tier,
+              "tiers: the code tier and the reference tier, two tiers 1-15 of shift 1-30");
+  check_codec_arrays(codes, code_zero, code_scale, refs, positions, layers, ref_keys, ref_values, ref_positions, decoder, scale, rotary);
+  TORCH_CHECK(ref_keys.size(1) == heads && ref_keys.size(2) == d && ref_keys.scalar_type() == keys.scalar_type(),
+              "ref_keys, ref_values: [R, H, d] in the pool's dtype, H and d the query's");
+  const int64_t total = codes.size(0), code_width = 2 * codes.size(1), width = 2 * heads * d;
+  const bool stored = key_codes.numel() > 0;
+  TORCH_CHECK(!stored || (key_codes.dim() == 3 && key_codes.size(0) == decoder.size(0) && key_codes.size(1) == code_width &&
+                          key_codes.size(2) == heads * d && key_codes.scalar_type() == at::kChar && key_codes.is_contiguous() &&
+                          key_steps.sizes() == at::IntArrayRef({decoder.size(0), heads * d}) && key_sums.sizes() == key_steps.sizes() &&
+                          key_steps.scalar_type() == at::kFloat && key_sums.scalar_type() == at::kFloat && key_steps.is_contiguous() &&
+                          key_sums.is_contiguous()),
+              "key_codes: int8 [L, d_c, H·d] (the decoder's key columns in 8 bits), key_steps and key_sums: float32 [L, H·d]; or empty");
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t longest = lengths.numel() ? *std::max_element(length, length + lengths.numel()) : 0;
+  if (scores.numel() > 0)
+    TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(0) == rows &&
+                    scores.size(1) == hq && scores.size(2) >= longest,
+                "scores: float32 [R, Hq, L], contiguous, L at least every head's length");
+  const Tiers tiers{tier_shift, (int64_t{1} << tier_shift) - 1, code_tier, reference_tier, keys.size(0), ref_keys.size(0), total, heads};
+
+  // phase 1: the coded tokens named, each once (a sparse set: token_of needs no clearing, a token is in it when the
+  // dense list names it back, so the calling thread keeps one from call to call, its pages already in memory), every id
+  // checked before any work
+  thread_local std::vector<int32_t> token_map;
+  if (static_cast<int64_t>(token_map.size()) < total) token_map.resize(total);
+  int32_t* token_of = token_map.data();
+  std::vector<int64_t> named;
+  const int32_t* ref_ids = refs.data_ptr<int32_t>();
+  const int16_t* layer_ids = layers.data_ptr<int16_t>();
+  const int32_t* position_ids = positions.data_ptr<int32_t>();
+  const int32_t* ref_position_ids = ref_positions.data_ptr<int32_t>();
+  const int64_t top_k = refs.size(1), table_rows = rotary.size(0);
+  int64_t layer = -1;
+  bool plain_only = true;
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::Tensor& t = tables[r];
+    TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kInt && t.size(0) == heads, "a slot table: int32 [H, L]");
+    TORCH_CHECK(*std::max_element(length + r * heads, length + (r + 1) * heads) <= t.size(1), "a head is longer than its slot table");
+    const int32_t* slots = t.data_ptr<int32_t>();
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < length[r * heads + h]; ++j) {
+        const int64_t id = slots[h * t.stride(0) + j * t.stride(1)];
+        int64_t row;
+        const Entry kind = entry_of(id, tiers, row);
+        TORCH_CHECK(id == 0 || kind != Entry::hole, "deltakv_decode: a slot table names a slot outside the pool, or an entry of a tier "
+                    "it was not given (", id, ")");
+        plain_only &= kind != Entry::reference && kind != Entry::coded;
+        if (kind != Entry::coded) continue;
+        const int64_t b = row / heads;
+        const int32_t seen = token_of[b];
+        if (seen >= 0 && seen < static_cast<int64_t>(named.size()) && named[seen] == b) continue;
+        TORCH_CHECK(layer < 0 || layer_ids[b] == layer, "deltakv_decode: the tables name coded tokens of layers ", layer, " and ",
+                    layer_ids[b], " (one read is one layer's)");
+        layer = layer_ids[b];
+        TORCH_CHECK(layer >= 0 && layer < decoder.size(0), "deltakv_decode: block ", b, " names layer ", layer);
+        TORCH_CHECK(position_ids[b] >= 0 && position_ids[b] < table_rows, "deltakv_decode: position ", position_ids[b], " past the table");
+        for (int64_t k = 0; k < top_k; ++k) {
+          const int32_t ref = ref_ids[b * top_k + k];
+          TORCH_CHECK(ref >= 0 && ref < tiers.references && ref_position_ids[ref] >= 0 && ref_position_ids[ref] < table_rows,
+                      "deltakv_decode: block ", b, " names reference ", ref, " of ", tiers.references, " (or its position is past the table)");
+        }
+        token_of[b] = static_cast<int32_t>(named.size());
+        named.push_back(b);
+      }
+  }
+  if (plain_only)  // a layer DeltaKV leaves raw: the plain read, with its vectorized paths
+    return paged_decode(queries, scaling, keys, values, tables, lengths, weights, tier_shift, {}, {}, scores);
+  const int64_t n = static_cast<int64_t>(named.size());
+  auto z = at::empty({n, code_width}, decoder.options());
+  auto sums = at::empty({n, width}, decoder.options());
+  auto rebuilt = at::empty({n, heads, d}, decoder.options());
+  auto means = at::empty({n, heads, d}, decoder.options());
+  auto small = stored ? at::empty({n, code_width}, codes.options().dtype(at::kChar)) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "deltakv_decode_codes", [&] {
+    codes_and_reference_sums<scalar_t>(named.data(), n, codes.data_ptr<uint8_t>(), codes.size(1), code_zero.data_ptr<at::Half>(),
+                                       code_scale.data_ptr<at::Half>(), ref_ids, top_k, ref_keys.data_ptr<scalar_t>(),
+                                       ref_values.data_ptr<scalar_t>(), ref_position_ids, rotary.data_ptr<float>(), heads, d,
+                                       z.data_ptr<float>(), sums.data_ptr<float>(), stored ? small.data_ptr<int8_t>() : nullptr);
+  });
+  if (n > 0) {  // the keys: z · decoder[l]'s key columns, then the scale, the mean and RoPE; the values' mean
+    const at::Tensor key_part = stored ? stored_key_part(named.data(), n, small, code_zero, code_scale, key_codes[layer],
+                                                         key_steps[layer], key_sums[layer])
+                                       : at::mm(z, decoder[layer].narrow(1, 0, heads * d));
+    finish_keys(named.data(), n, key_part.data_ptr<float>(), sums.data_ptr<float>(), top_k, position_ids,
+                scale.data_ptr<float>() + layer * width, rotary.data_ptr<float>(), heads, d, rebuilt.data_ptr<float>(),
+                means.data_ptr<float>());
+  }
+
+  // phase 2: every (row, head) in chunks, then merged by log-sum-exp, Σ p z projected by the head's value columns
+  const int64_t groups = hq / heads;
+  std::vector<int64_t> first(rows * heads + 1, 0);
+  for (int64_t rh = 0; rh < rows * heads; ++rh) first[rh + 1] = first[rh] + std::max<int64_t>(1, (length[rh] + DECODE_CHUNK - 1) / DECODE_CHUNK);
+  const int64_t tasks = first.back();
+  std::vector<float> acc(tasks * groups * d), code_sums(tasks * groups * code_width), m(tasks * groups), l(tasks * groups);
+  std::vector<int64_t> owner(tasks);
+  for (int64_t rh = 0; rh < rows * heads; ++rh)
+    for (int64_t t = first[rh]; t < first[rh + 1]; ++t) owner[t] = rh;
+  float* score = scores.numel() ? scores.data_ptr<float>() : nullptr;
+  const int64_t score_stride = scores.numel() ? scores.size(2) : 0;
+  const float* q = query.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "deltakv_decode", [&] {
+    const scalar_t* k = keys.data_ptr<scalar_t>();
+    const scalar_t* v = values.data_ptr<scalar_t>();
+    const scalar_t* rk = ref_keys.data_ptr<scalar_t>();
+    const scalar_t* rv = ref_values.data_ptr<scalar_t>();
+    at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t rh = owner[t], r = rh / heads, h = rh % heads;
+        const int64_t begin = (t - first[rh]) * DECODE_CHUNK, end = std::min(length[rh], begin + DECODE_CHUNK);
+        const at::Tensor& table = tables[r];
+        const at::Tensor& w = weights[r];
+        const float* wp = w.numel() ? w.data_ptr<float>() + h * w.stride(0) : nullptr;
+        read_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, code_width, tiers, table.data_ptr<int32_t>() + h * table.stride(0),
+                             table.stride(1), wp, w.numel() ? w.stride(1) : 0, begin, std::max(begin, end), k, v, rk, rv,
+                             rebuilt.data_ptr<float>(), means.data_ptr<float>(), z.data_ptr<float>(), token_of,
+                             acc.data() + t * groups * d, code_sums.data() + t * groups * code_width, m.data() + t * groups,
+                             l.data() + t * groups, score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride);
+      }
+    });
+  });
+  auto out = at::zeros({rows, hq, d}, query.options());
+  auto lse = at::empty({rows, hq}, query.options());
+  float* o = out.data_ptr<float>();
+  float* s = lse.data_ptr<float>();
+  const float* value_columns = layer >= 0 ? decoder.data_ptr<float>() + layer * code_width * width + heads * d : nullptr;
+  const float* value_scale = layer >= 0 ? scale.data_ptr<float>() + layer * width + heads * d : nullptr;
+  at::parallel_for(0, rows * heads, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> projected(d), merged(code_width);
+    for (int64_t rh = lo; rh < hi; ++rh) {
+      const int64_t r = rh / heads, h = rh % heads;
+      for (int64_t g = 0; g < groups; ++g) {
+        float top = MINUS_INF;
+        for (int64_t t = first[rh]; t < first[rh + 1]; ++t) top = std::max(top, m[t * groups + g]);
+        float* dst = o + (r * hq + h * groups + g) * d;
+        s[r * hq + h * groups + g] = top;
+        if (top == MINUS_INF) continue;  // the head holds nothing: output 0, lse -inf
+        float sum = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t t = first[rh]; t < first[rh + 1]; ++t) {
+          if (m[t * groups + g] == MINUS_INF) continue;
+          const float factor = std::exp(m[t * groups + g] - top);
+          sum += l[t * groups + g] * factor;
+          axpy(dst, factor, acc.data() + (t * groups + g) * d, d);
+          axpy(merged.data(), factor, code_sums.data() + (t * groups + g) * code_width, code_width);
+        }
+        if (value_columns != nullptr) {  // (Σ p z) · W_V ⊙ s_V
+          std::fill(projected.begin(), projected.end(), 0.f);
+          for (int64_t c = 0; c < code_width; ++c) axpy(projected.data(), merged[c], value_columns + c * width + h * d, d);
+          for (int64_t j = 0; j < d; ++j) dst[j] += projected[j] * value_scale[h * d + j];
+        }
+        for (int64_t j = 0; j < d; ++j) dst[j] /= sum;
+        s[r * hq + h * groups + g] = top + std::log(sum);
+      }
+    }
+  });
+  return {out.to(queries.scalar_type()), lse};
 }

@@ -31,6 +31,22 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
+// q · k over d numbers, float32 sums (k stored in any of the three dtypes).
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t d) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < d; ++c) sum += q[c] * to_float(k[c]);
+  return sum;
+}
+
+// acc += p · v over d numbers, float32.
+template <typename scalar_t>
+inline void axpy(float* acc, float p, const scalar_t* v, int64_t d) {
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) acc[c] += p * to_float(v[c]);
+}
+
 // exp(x) in float32, vectorizable: 2^n · p(r) with r = x − n·ln 2 (Cephes' expf polynomial, relative error ~2e-7); 0 below
 // −87 (and for −inf), +inf above 88.
 inline float exp_float(float x) {
@@ -63,6 +79,15 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
                                         const at::Tensor& layers, const at::Tensor& ref_keys, const at::Tensor& ref_values,
                                         const at::Tensor& ref_positions, const at::Tensor& decoder, const at::Tensor& scale,
                                         const at::Tensor& rotary);
+
+std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling, const at::Tensor& keys, const at::Tensor& values,
+                                       const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
+                                       const std::vector<at::Tensor>& weights, int64_t tier_shift, int64_t code_tier, int64_t reference_tier,
+                                       const at::Tensor& codes, const at::Tensor& code_zero, const at::Tensor& code_scale,
+                                       const at::Tensor& refs, const at::Tensor& positions, const at::Tensor& layers,
+                                       const at::Tensor& ref_keys, const at::Tensor& ref_values, const at::Tensor& ref_positions,
+                                       const at::Tensor& decoder, const at::Tensor& scale, const at::Tensor& key_codes,
+                                       const at::Tensor& key_steps, const at::Tensor& key_sums, const at::Tensor& rotary, at::Tensor scores);
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 

@@ -118,14 +118,6 @@ inline void prefetch_row(const scalar_t* row, int64_t d) {
   for (int64_t offset = 0; offset < d * static_cast<int64_t>(sizeof(scalar_t)); offset += 64) __builtin_prefetch(bytes + offset);
 }
 
-template <typename scalar_t>
-inline float dot(const float* q, const scalar_t* k, int64_t d) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < d; ++c) sum += q[c] * to_float(k[c]);
-  return sum;
-}
-
 // logits[g · BLOCK] = q_g · k + bias for the G queries of a group: 16 channels of k at a time for up to four
 // queries, each with its own accumulators (no dependency chain across queries or channels).
 template <typename scalar_t>
@@ -227,12 +219,6 @@ constexpr bool BF16_DOTS = false;
 
 inline void dots16_bf16(const at::BFloat16*, float, int64_t, const at::BFloat16* const*, int64_t, const float*, float*) {}
 #endif
-
-template <typename scalar_t>
-inline void axpy(float* acc, float p, const scalar_t* v, int64_t d) {
-#pragma omp simd
-  for (int64_t c = 0; c < d; ++c) acc[c] += p * to_float(v[c]);
-}
 
 // acc[g · d + c] += Σ_k probs[g · BLOCK + index[k]] · rows[k][c] for the G queries of a group, over `count` value rows
 // (d = 64 · tiles channels): per tile of 64 channels and four queries, the sums stay in registers while every row of

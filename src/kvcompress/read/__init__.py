@@ -108,10 +108,10 @@ def _read_pages(query: torch.Tensor, view: KVView, scaling: float, weights: bool
     float32 and, if asked, each entry's weight [B, Hq, L]: exp(logit − lse) from the logits the read filled in
     (0 on holes and padding)."""
     pages = view.pages
-    keys, values, kivi = pages.arrays()
+    keys, values, coded = pages.arrays()
     rows, hq, length = query.shape[0], query.shape[1], view.shape[2]
     scores = torch.full((rows, hq, length), -math.inf, device=query.device) if weights else None
-    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, kivi, scores, length)
+    out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, coded, scores, length)
     if scores is not None:
         scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # in place; exp(-inf) = 0 on holes
     return out, lse, scores

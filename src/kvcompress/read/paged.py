@@ -1,14 +1,15 @@
 """Paged decode attention: one decoding query per row reads its entries where they live in the slot pool.
 
-    paged_decode(query, keys, values, tables, lengths, log_weights, scaling, kivi=None) -> (out, lse)
+    paged_decode(query, keys, values, tables, lengths, log_weights, scaling, coded=None) -> (out, lse)
 
 The contract (every implementation, tested against ``reference.py``): ``query`` [R, Hq, d] (one decoding
 query per row, at or after every entry it reads: no causal mask); ``keys``, ``values`` [S, d] the pool's
 plain arrays; ``tables`` one int32 [H, L_r] slot table per row (any strides: a view of the store's own
 table, so nothing is concatenated or copied), slot 0 = a hole (padding, or an entry a selection left
 out), skipped; ``lengths`` int64 [R, H], the entries of each head; ``log_weights`` one float32 [H, L_r]
-per row or None, added to the logits; ``kivi`` the one tier of KIVI blocks the tables may name (``store.view.KiviBlocks``:
-an id ``tier << TIER_SHIFT | block · G + offset``), read and dequantised in place, or None (plain slots only);
+per row or None, added to the logits; ``coded`` the coded entries the tables may name, read in place: the one tier of
+KIVI blocks (``store.view.KiviBlocks``: an id ``tier << TIER_SHIFT | block · G + offset``, dequantised as it is read), or
+DeltaKV's codes and references (``store.view.DeltaKVBlocks``: each coded token named rebuilt once), or None (plain slots only);
 ``scores`` a float32 [R, Hq, L] buffer (L at least every head's length) that the read fills in place with each entry's
 logit (scaled, its log-weight added, -inf on a hole; columns past a head's length untouched), or None: what column
 sums are made of (H2O's). Returns ``out`` [R, Hq, d] in the query's dtype and ``lse`` [R, Hq] float32 (-inf where a
@@ -18,7 +19,9 @@ head holds nothing, whose output is 0).
   compiler through ``torch.utils.cpp_extension`` and cached (``kernels.py``; ``make setup`` builds it). Each KV head's entries are cut into chunks read in
   parallel (flash-decoding) with an online softmax in float32; a key or value row is loaded once for
   its GQA group, straight from the pool, in the pool's dtype (float32, bfloat16 or float16).
-* On a CUDA GPU: the same in Triton (``paged_triton.py``; tested on the CPU through Triton's interpreter).
+  DeltaKV's tiers take ``csrc/deltakv_rebuild.cpp``'s ``deltakv_decode``: the named tokens' keys rebuilt once, their values
+  never (values carry no RoPE: Σ p·v̂ = ((Σ p·z) · W_V) ⊙ s_V + Σ p·m, so the read sums the codes and projects them once).
+* On a CUDA GPU: the same in Triton (``paged_triton.py``; tested on the CPU through Triton's interpreter), KIVI or plain.
 * Elsewhere, or where neither is available: ``paged_decode_torch``, the same contract in plain PyTorch
   (it gathers the entries first).
 """
@@ -31,7 +34,7 @@ import torch
 
 from ..kernels import cpu_kernels
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
-from ..store.view import KiviBlocks
+from ..store.view import DeltaKVBlocks, KiviBlocks
 from .tables import KIVI_FIELDS, stacked, stacked_log_weights
 
 NOTHING = torch.empty(0)  # the kernel's "none" for a tensor argument
@@ -47,27 +50,46 @@ def triton_kernel():
 
 
 def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
-                 log_weights: list[torch.Tensor | None] | None, scaling: float, kivi: KiviBlocks | None = None,
+                 log_weights: list[torch.Tensor | None] | None, scaling: float, coded: KiviBlocks | DeltaKVBlocks | None = None,
                  scores: torch.Tensor | None = None, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over slot tables (see the module docstring): (out [R, Hq, d], lse [R, Hq] float32).
     ``longest``: the longest head's length where the caller knows it (spares the GPU read a wait for ``lengths``)."""
+    if isinstance(coded, DeltaKVBlocks):
+        return _deltakv_decode(query, keys, values, tables, lengths, log_weights, scaling, coded, scores)
     if query.device.type == "cuda" and (triton_read := triton_kernel()) is not None:
-        return triton_read(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores, longest)
+        return triton_read(query, keys, values, tables, lengths, log_weights, scaling, coded, scores, longest)
     kernel = cpu_kernels() if query.device.type == "cpu" else None
     if kernel is None:
-        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, kivi, scores)
+        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, coded, scores)
     weights = [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * len(tables)
-    spec = [] if kivi is None else [kivi.tier, kivi.codec.bits, kivi.codec.block_size, kivi.codec.channel_group(query.shape[-1])]
-    arrays = [] if kivi is None else [kivi.arrays[name] for name in KIVI_FIELDS]
+    spec = [] if coded is None else [coded.tier, coded.codec.bits, coded.codec.block_size, coded.codec.channel_group(query.shape[-1])]
+    arrays = [] if coded is None else [coded.arrays[name] for name in KIVI_FIELDS]
     return kernel.paged_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT, spec,
                                arrays, NOTHING if scores is None else scores)
 
 
+def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
+                    log_weights: list[torch.Tensor | None] | None, scaling: float, blocks: DeltaKVBlocks,
+                    scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over tables naming DeltaKV's tiers: the compiled read for 4-bit codes on the CPU, else the PyTorch one."""
+    kernel = cpu_kernels() if query.device.type == "cpu" and blocks.codec.bits == 4 else None
+    if kernel is None:
+        return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, blocks, scores)
+    weights = [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * len(tables)
+    codes, references, codec = blocks.arrays, blocks.references, blocks.codec
+    stored = codec.stored_keys() or (NOTHING, NOTHING, NOTHING)  # the decoder's key columns in 8 bits: an integer product
+    return kernel.deltakv_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT,
+                                 blocks.tier, blocks.reference_tier, codes["code"], codes["code_zero"], codes["code_scale"],
+                                 codes["refs"], codes["position"], codes["layer"], references["keys"], references["values"],
+                                 references["position"], codec.weights.decoder, codec.weights.scale, *stored, codec.rotary,
+                                 NOTHING if scores is None else scores)
+
+
 def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
                        lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None, scaling: float,
-                       kivi: KiviBlocks | None = None, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract in plain PyTorch, float32 math: gather each row's entries (KIVI's decoded by its codec), mask
-    holes and padding, attend."""
+                       coded: KiviBlocks | DeltaKVBlocks | None = None, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract in plain PyTorch, float32 math: gather each row's entries (coded ones decoded by their codec in
+    PyTorch), mask holes and padding, attend."""
     rows, hq, d = query.shape
     heads = lengths.shape[1]
     groups = hq // heads
@@ -79,7 +101,7 @@ def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if bias is None:
         bias = torch.zeros(rows, heads, longest, device=query.device)
     bias = bias.masked_fill(~seen, -math.inf)
-    k, v = _gathered(keys, values, slots.masked_fill(~seen, 0).reshape(-1), kivi)
+    k, v = _gathered(keys, values, slots.masked_fill(~seen, 0).reshape(-1), coded)
     k, v = k.view(rows, heads, longest, d), v.view(rows, heads, longest, d)
     q = query.float().view(rows, heads, groups, d)
     logits = torch.einsum("rhgd,rhld->rhgl", q, k) * scaling + bias[:, :, None]
@@ -99,19 +121,46 @@ def _fill_scores(scores: torch.Tensor, logits: torch.Tensor, lengths: torch.Tens
     scores[..., :longest] = torch.where(inside, logits, scores[..., :longest])
 
 
-def _gathered(keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, kivi: KiviBlocks | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 keys and values [n, d] of entry ids [n] (int64): plain slots, and KIVI's tier decoded by its codec."""
-    tiers = ids >> TIER_SHIFT
-    coded = tiers != 0
-    blocks = (ids[coded] & ENTRY_MASK) // kivi.codec.block_size if kivi else None
-    if (bool((ids[~coded] >= keys.shape[0]).any()) or (kivi is None and bool(coded.any()))
-            or (kivi is not None and bool(((tiers[coded] != kivi.tier) | (blocks < 1) | (blocks >= kivi.arrays["key_codes"].shape[0])).any()))):
+def _gathered(keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, coded: KiviBlocks | DeltaKVBlocks | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 keys and values [n, d] of entry ids [n] (int64): plain slots, and coded entries decoded by their codec."""
+    is_coded = (ids >> TIER_SHIFT) != 0
+    if bool((ids[~is_coded] >= keys.shape[0]).any()) or (bool(is_coded.any()) and (coded is None or not bool(_holds(coded, ids[is_coded]).all()))):
         raise RuntimeError("paged_decode: a slot table names a slot outside the pool, or a coded entry of a tier it was not given")
-    plain = ids.masked_fill(coded, 0)
+    plain = ids.masked_fill(is_coded, 0)
     k, v = keys.index_select(0, plain).float(), values.index_select(0, plain).float()
-    if kivi is not None and bool(coded.any()):
-        where = coded.nonzero().squeeze(1)
-        ck, cv = kivi.codec.decode(kivi.arrays, ids.index_select(0, where) & ENTRY_MASK)
+    if coded is not None and bool(is_coded.any()):
+        where = is_coded.nonzero().squeeze(1)
+        ck, cv = _decoded(coded, ids.index_select(0, where))
         k.index_copy_(0, where, ck.float())
         v.index_copy_(0, where, cv.float())
     return k, v
+
+
+def _holds(coded: KiviBlocks | DeltaKVBlocks, ids: torch.Tensor) -> torch.Tensor:
+    """Which coded entry ids [n] name an entry of ``coded``'s tiers."""
+    tiers, place = ids >> TIER_SHIFT, ids & ENTRY_MASK
+    if isinstance(coded, KiviBlocks):
+        blocks = place // coded.codec.block_size
+        return (tiers == coded.tier) & (blocks >= 1) & (blocks < coded.arrays["key_codes"].shape[0])
+    tokens = place // coded.codec.block_size
+    return (((tiers == coded.tier) & (tokens >= 1) & (tokens < coded.arrays["code"].shape[0]))
+            | ((tiers == coded.reference_tier) & (tokens < coded.references["keys"].shape[0])))
+
+
+def _decoded(coded: KiviBlocks | DeltaKVBlocks, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [n, d] of coded entry ids [n], in PyTorch: KIVI's dequantised, DeltaKV's rebuilt (``decode_torch``)
+    or its references as stored."""
+    if isinstance(coded, KiviBlocks):
+        return coded.codec.decode(coded.arrays, ids & ENTRY_MASK)
+    d = coded.references["keys"].shape[-1]
+    keys, values = torch.empty(ids.shape[0], d, device=ids.device), torch.empty(ids.shape[0], d, device=ids.device)
+    for tier, decode in ((coded.tier, lambda e: coded.codec.decode_torch(coded.arrays, e)),
+                         (coded.reference_tier, lambda e: (coded.references["keys"].view(-1, d).index_select(0, e),
+                                                           coded.references["values"].view(-1, d).index_select(0, e)))):
+        where = ((ids >> TIER_SHIFT) == tier).nonzero().squeeze(1)
+        if where.numel():
+            k, v = decode(ids.index_select(0, where) & ENTRY_MASK)
+            keys.index_copy_(0, where, k.float())
+            values.index_copy_(0, where, v.float())
+    return keys, values

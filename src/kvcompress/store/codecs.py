@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from .view import KiviBlocks
+
 Fields = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
@@ -34,7 +36,9 @@ def field_bytes(fields: Fields) -> int:
 class Codec(Protocol):
     """What the pool asks of a codec. A codec that codes a token over every KV head at once (DeltaKV)
     has no ``encode``: it codes a table's entries itself (``code_rows``), may make tiers of its own
-    when its tier is made (``attach``) and name what a freed block held (``dependencies``)."""
+    when its tier is made (``attach``) and name what a freed block held (``dependencies``). A codec a decoding read can
+    read where it lives has ``in_place(pool, tier)``: the tiers that read covers and a function giving their blocks
+    (``store.view.KiviBlocks``, ``DeltaKVBlocks``), or None where it cannot."""
 
     name: str
     key: str  # codecs with the same key store entries the same way (they share a pool tier)
@@ -116,6 +120,10 @@ class KiviCodec:
     @property
     def levels(self) -> int:
         return 2**self.bits - 1
+
+    def in_place(self, pool, tier: int):
+        """How a decoding read reads this tier where it lives: the tiers it covers, and a function giving its blocks."""
+        return {tier}, lambda: KiviBlocks(tier, self, pool.tiers[tier - 1].arrays)
 
     def channel_group(self, head_dim: int) -> int:
         """Channels per value group: ``group_size``, or the whole head when it does not divide."""

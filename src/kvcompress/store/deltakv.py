@@ -41,6 +41,7 @@ from torch import nn
 from ..kernels import cpu_kernels
 from .codecs import Fields, KiviCodec, PlainCodec, field_bytes, pack, unpack
 from .slots import ENTRY_MASK, TIER_SHIFT
+from .view import DeltaKVBlocks
 
 
 # ----- RoPE and token vectors ------------------------------------------------------------------
@@ -178,8 +179,7 @@ class DeltaKVWeights(nn.Module):
             if name in self.MATRICES and value.numel() == 0:  # the SwiGLU path of a linear codec
                 continue
             if name in self.MATRICES:
-                step = (value.abs().amax(1, keepdim=True) / 127).half().float().clamp_min(1e-12)  # [L, 1, out]
-                tensors[name] = torch.round(value / step).clamp(-127, 127).to(torch.int8)
+                tensors[name], step = columns_in_8_bits(value)
                 tensors[f"{name}.step"] = step.half()
             else:
                 tensors[name] = value if name == "inv_freq" else value.half()
@@ -205,6 +205,13 @@ class DeltaKVWeights(nn.Module):
         weights.load_state_dict(tensors)
         weights.about = c
         return weights.eval().requires_grad_(False)
+
+
+def columns_in_8_bits(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Matrices [L, rows, columns] as a checkpoint stores them: int8 codes and a step per output column [L, 1, columns]
+    (the largest magnitude over 127, a float16 number), codes · step within half a step of the matrix."""
+    step = (matrix.abs().amax(1, keepdim=True) / 127).half().float().clamp_min(1e-12)
+    return torch.round(matrix / step).clamp(-127, 127).to(torch.int8), step
 
 
 CODE_QUANTIZER = KiviCodec(4, 1, torch.float16)  # 4-bit codes: per token, a float16 zero point and scale
@@ -256,6 +263,7 @@ class DeltaKVCodec:
         self.references: object | None = None  # the reference tier's pool (``attach``)
         self.reference_tier = 0
         self.rotary = torch.empty(0, weights.head_dim)  # [P, d]: cos, then sin, of p · inv_freq for every position coded
+        self._stored_keys: tuple[tuple[torch.Tensor, ...] | None] | None = None  # (stored_keys(),) once made
 
     def codes_layer(self, layer: int) -> bool:
         return layer not in self.full_layers
@@ -286,6 +294,26 @@ class DeltaKVCodec:
         return (self.reference_tier << TIER_SHIFT) | (refs * self.block_size)
 
     # ----- reading --------------------------------------------------------------------------
+    def in_place(self, pool, tier: int):
+        """How a decoding read reads this tier and its references where they live (``read/paged.py``'s compiled read:
+        4-bit codes on the CPU), or None (the read gathers rebuilt entries instead)."""
+        if self.bits != 4 or pool.arrays["keys"].device.type != "cpu":
+            return None
+        return {tier, self.reference_tier}, lambda: DeltaKVBlocks(tier, self.reference_tier, self, pool.tiers[tier - 1].arrays,
+                                                                  self.references.arrays)
+
+    def stored_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The decoder's key columns as a checkpoint stores them, when they are exactly that (a loaded checkpoint's are):
+        int8 codes [L, d_c, H·d], each column's step and its codes' sum [L, H·d] float32, for the compiled read's integer
+        product (``csrc/deltakv_rebuild.cpp``'s ``stored_key_part``); else None. Made on first use: the decoder a codec
+        reads with does not change."""
+        if self._stored_keys is None:
+            keys = self.weights.decoder[:, :, : self.weights.decoder.shape[2] // 2]
+            codes, step = columns_in_8_bits(keys)
+            exact = torch.equal(codes.float() * step, keys)
+            self._stored_keys = ((codes.contiguous(), step[:, 0].contiguous(), codes.float().sum(1).contiguous()) if exact else None,)
+        return self._stored_keys[0]
+
     def decode(self, arrays, entries):
         """Keys and values [n, d] float32 of ``entries`` (block · H + head): 4-bit codes on the CPU through the compiled
         pass (``csrc/deltakv_rebuild.cpp``: each token rebuilt once, in one matrix product per layer), else
@@ -414,5 +442,5 @@ class DeltaKVCodec:
         return old.numel()
 
 
-__all__ = ["DeltaKVCodec", "DeltaKVReferences", "DeltaKVWeights", "four_bit", "nearest_references", "reference_mask", "rope",
+__all__ = ["DeltaKVCodec", "DeltaKVReferences", "DeltaKVWeights", "columns_in_8_bits", "four_bit", "nearest_references", "reference_mask", "rope",
            "split_vectors", "token_vectors"]

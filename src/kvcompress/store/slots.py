@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from .codecs import Codec, KiviCodec, PlainCodec, field_bytes
-from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KiviBlocks, KVView, Pages
+from .codecs import Codec, PlainCodec, field_bytes
+from .view import PAD_POSITION, UNCHANGED, DeltaKVBlocks, Edit, Entries, KiviBlocks, KVView, Pages
 
 PAD_SLOT = 0
 TIER_SHIFT = 27  # entry ids are int32: tiers 1..15 of coded blocks above 2^27 plain slots
@@ -464,29 +464,29 @@ class SlotTable:
     def _pages(pool: SlotPool, views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                lengths: torch.Tensor) -> Callable[[], Pages | None]:
         """The in-place form of rows whose ``row_views`` are ``views``, made when a read asks for it: per row its slot
-        column and log-weights; None unless every entry is plain or of one KIVI tier (what the kernels read)."""
+        column and log-weights; None unless every entry is plain or of tiers one codec's in-place read covers (``in_place``:
+        a KIVI tier, DeltaKV's codes and references)."""
         slots, weights = [v[1] for v in views], [v[2] for v in views]
 
         def pages() -> Pages | None:
             if not isinstance(pool.codec, PlainCodec):
                 return None
-            coded = pool.tiers
-            if len(coded) > 1:  # which tiers these rows name (with one tier, any row may)
-                tiers = [s[:, : int(n.max())] >> TIER_SHIFT for s, n in zip(slots, lengths)]
-                if not any(bool(t.any()) for t in tiers):
-                    coded = []
-                elif not any(isinstance(store.codec, KiviCodec) for store in pool.tiers):
-                    return None  # coded entries, and of no tier the kernels read
-                else:
-                    named = set().union(*(torch.unique(t).tolist() for t in tiers))
-                    coded = [pool.tiers[t - 1] for t in sorted(named - {0})]
-            if len(coded) > 1 or (coded and not isinstance(coded[0].codec, KiviCodec)):
-                return None
-            tier = pool.tiers.index(coded[0]) + 1 if coded else 0
+            readers = [reader for tier, store in enumerate(pool.tiers, 1)
+                       if (reader := getattr(store.codec, "in_place", lambda *_: None)(pool, tier)) is not None]
+            every_tier = set(range(1, len(pool.tiers) + 1))
+            if not pool.tiers:
+                blocks = None
+            elif len(readers) == 1 and readers[0][0] == every_tier:  # one reader for every tier: any row may name any
+                blocks = readers[0][1]
+            else:
+                named = set().union(*(torch.unique(s[:, : int(n.max())] >> TIER_SHIFT).tolist() for s, n in zip(slots, lengths))) - {0}
+                fitting = [make for covered, make in readers if named <= covered]
+                if named and not fitting:
+                    return None  # coded entries of tiers no in-place read covers together
+                blocks = fitting[0] if named else None
 
-            def arrays() -> tuple[torch.Tensor, torch.Tensor, KiviBlocks | None]:
-                kivi = KiviBlocks(tier, coded[0].codec, coded[0].arrays) if coded else None
-                return pool.arrays["keys"], pool.arrays["values"], kivi
+            def arrays() -> tuple[torch.Tensor, torch.Tensor, KiviBlocks | DeltaKVBlocks | None]:
+                return pool.arrays["keys"], pool.arrays["values"], None if blocks is None else blocks()
 
             return Pages(arrays, slots, lengths, weights)
 

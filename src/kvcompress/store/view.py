@@ -47,18 +47,31 @@ class KiviBlocks:
 
 
 @dataclass
+class DeltaKVBlocks:
+    """DeltaKV's two tiers, read in place: ``tier`` holds its coded tokens (``arrays``, as ``codec.fields`` names them),
+    ``reference_tier`` its raw reference tokens (``references``: keys and values [R, H, d], positions [R]); the entry id
+    ``tier << TIER_SHIFT | token · H + head`` names one KV head of a token of either."""
+
+    tier: int
+    reference_tier: int
+    codec: Any  # store.deltakv.DeltaKVCodec
+    arrays: dict[str, torch.Tensor]
+    references: dict[str, torch.Tensor]
+
+
+@dataclass
 class Pages:
     """Where a view's entries live, for a reader that reads them in place (``read/paged.py``).
 
-    ``arrays()``: the pool's plain keys and values [S, d] as they are when read, and the one tier of KIVI blocks
-    the tables may name (``KiviBlocks``; None: every entry is plain). Per batch row, ``tables`` an int32 table of
+    ``arrays()``: the pool's plain keys and values [S, d] as they are when read, and the coded entries the tables may
+    name: one tier of KIVI blocks (``KiviBlocks``) or DeltaKV's pair of tiers (``DeltaKVBlocks``); None: every entry is plain. Per batch row, ``tables`` an int32 table of
     entry ids [H, ≥ L] (a view of the store's own table: nothing concatenated or copied; 0 = padding or a
     hole, skipped) and ``log_weights`` its float32 log-weights [H, ≥ L] (None: none). ``lengths`` int64
     [B, H]: the columns of each head to read. Only for entries at or before every query that reads
     them through the pages (a decoding step): the pages carry no positions.
     """
 
-    arrays: Callable[[], tuple[torch.Tensor, torch.Tensor, KiviBlocks | None]]
+    arrays: Callable[[], tuple[torch.Tensor, torch.Tensor, KiviBlocks | DeltaKVBlocks | None]]
     tables: list[torch.Tensor]
     lengths: torch.Tensor
     log_weights: list[torch.Tensor | None]
@@ -347,4 +360,4 @@ def edited_entries(view: KVView, edit: Edit) -> Entries:
     return Entries(keys, values, view.positions, valid, log_weights, {**view.channels, **edit.channels})
 
 
-__all__ = ["edited_entries", "PAD_POSITION", "UNCHANGED", "Edit", "Entries", "KVView", "KiviBlocks", "Pages", "LayerContext", "LayerInput", "Rewrite", "Summary"]
+__all__ = ["edited_entries", "PAD_POSITION", "UNCHANGED", "Edit", "Entries", "KVView", "KiviBlocks", "DeltaKVBlocks", "Pages", "LayerContext", "LayerInput", "Rewrite", "Summary"]
