@@ -125,6 +125,19 @@ void check_codec_arrays(const at::Tensor& codes, const at::Tensor& code_zero, co
               "rotary: float32 [P, d] (each position's cosines, then its sines), contiguous");
 }
 
+// A coded token's ids, checked before any work reads through them: its layer, its position and its references and theirs
+// (positions within the RoPE table of `table` rows).
+void check_token(const char* who, int64_t b, const int16_t* layers, int64_t layer_count, const int32_t* positions,
+                 const int32_t* refs, int64_t top_k, int64_t references, const int32_t* ref_positions, int64_t table) {
+  TORCH_CHECK(layers[b] >= 0 && layers[b] < layer_count, who, ": block ", b, " names layer ", layers[b]);
+  TORCH_CHECK(positions[b] >= 0 && positions[b] < table, who, ": position ", positions[b], " past the table");
+  for (int64_t r = 0; r < top_k; ++r) {
+    const int32_t ref = refs[b * top_k + r];
+    TORCH_CHECK(ref >= 0 && ref < references, who, ": block ", b, " names reference ", ref, " of ", references);
+    TORCH_CHECK(ref_positions[ref] >= 0 && ref_positions[ref] < table, who, ": position ", ref_positions[ref], " past the table");
+  }
+}
+
 }  // namespace
 
 std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Tensor& codes, const at::Tensor& code_zero,
@@ -153,17 +166,8 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
   const int16_t* layer_ids = layers.data_ptr<int16_t>();
   const int32_t* position_ids = positions.data_ptr<int32_t>();
   const int32_t* ref_position_ids = ref_positions.data_ptr<int32_t>();
-  for (int64_t i = 0; i < n; ++i) {  // ids out of range would read outside the arrays: checked before any work
-    const int64_t b = block_ids[i];
-    TORCH_CHECK(layer_ids[b] >= 0 && layer_ids[b] < layer_count, "deltakv_rebuild: block ", b, " names layer ", layer_ids[b]);
-    TORCH_CHECK(position_ids[b] >= 0 && position_ids[b] < table, "deltakv_rebuild: position ", position_ids[b], " past the table");
-    for (int64_t r = 0; r < top_k; ++r) {
-      const int32_t ref = ref_ids[b * top_k + r];
-      TORCH_CHECK(ref >= 0 && ref < references, "deltakv_rebuild: block ", b, " names reference ", ref, " of ", references);
-      TORCH_CHECK(ref_position_ids[ref] >= 0 && ref_position_ids[ref] < table, "deltakv_rebuild: position ", ref_position_ids[ref],
-                  " past the table");
-    }
-  }
+  for (int64_t i = 0; i < n; ++i)  // ids out of range would read outside the arrays: checked before any work
+    check_token("deltakv_rebuild", block_ids[i], layer_ids, layer_count, position_ids, ref_ids, top_k, references, ref_position_ids, table);
   auto z = at::empty({n, 2 * code_bytes}, decoder.options());
   auto sums = at::empty({n, width}, decoder.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ref_keys.scalar_type(), "deltakv_rebuild", [&] {
@@ -374,7 +378,7 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
                                        const at::Tensor& decoder, const at::Tensor& scale, const at::Tensor& key_codes,
                                        const at::Tensor& key_steps, const at::Tensor& key_sums, const at::Tensor& rotary, at::Tensor scores) {
   TORCH_CHECK(queries.dim() == 3 && at::isFloatingType(queries.scalar_type()), "query: [R, Hq, d], float32, bfloat16 or float16");
-  const at::Tensor query = (queries.to(at::kFloat) * scaling).contiguous();
+  const at::Tensor query = scaled_query(queries, static_cast<float>(scaling));
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
                   keys.scalar_type() == values.scalar_type() && keys.size(1) == d,
@@ -438,14 +442,9 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
         if (seen >= 0 && seen < static_cast<int64_t>(named.size()) && named[seen] == b) continue;
         TORCH_CHECK(layer < 0 || layer_ids[b] == layer, "deltakv_decode: the tables name coded tokens of layers ", layer, " and ",
                     layer_ids[b], " (one read is one layer's)");
+        check_token("deltakv_decode", b, layer_ids, decoder.size(0), position_ids, ref_ids, top_k, tiers.references, ref_position_ids,
+                    table_rows);
         layer = layer_ids[b];
-        TORCH_CHECK(layer >= 0 && layer < decoder.size(0), "deltakv_decode: block ", b, " names layer ", layer);
-        TORCH_CHECK(position_ids[b] >= 0 && position_ids[b] < table_rows, "deltakv_decode: position ", position_ids[b], " past the table");
-        for (int64_t k = 0; k < top_k; ++k) {
-          const int32_t ref = ref_ids[b * top_k + k];
-          TORCH_CHECK(ref >= 0 && ref < tiers.references && ref_position_ids[ref] >= 0 && ref_position_ids[ref] < table_rows,
-                      "deltakv_decode: block ", b, " names reference ", ref, " of ", tiers.references, " (or its position is past the table)");
-        }
         token_of[b] = static_cast<int32_t>(named.size());
         named.push_back(b);
       }
@@ -540,5 +539,5 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
       }
     }
   });
-  return {out.to(queries.scalar_type()), lse};
+  return {in_dtype(out, queries.scalar_type()), lse};
 }

@@ -66,6 +66,11 @@ inline float exp_float(float x) {
   return x < -87.0f ? 0.0f : (x > 88.0f ? std::numeric_limits<float>::infinity() : e * scale);
 }
 
+// A decoding query [R, Hq, d] in float32 times the scaling, and a float32 output back in the query's dtype: one pass each,
+// no ATen operations (their dispatch costs more at these sizes); in paged_decode.cpp, for both decoding reads.
+at::Tensor scaled_query(const at::Tensor& query, float scaling);
+at::Tensor in_dtype(const at::Tensor& out, at::ScalarType dtype);
+
 std::vector<at::Tensor> paged_decode(const at::Tensor& query, double scaling, const at::Tensor& keys, const at::Tensor& values,
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
                                      const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,

@@ -542,6 +542,8 @@ Kivi kivi_tier(int64_t tier_shift, const std::vector<int64_t>& spec, const std::
   return kivi;
 }
 
+}  // namespace
+
 // The query in float32, times the scaling (one pass, no ATen operations: their dispatch costs more at these sizes).
 at::Tensor scaled_query(const at::Tensor& query, float scaling) {
   auto scaled = at::empty(query.sizes(), query.options().dtype(at::kFloat));
@@ -567,8 +569,6 @@ at::Tensor in_dtype(const at::Tensor& out, at::ScalarType dtype) {
   });
   return cast;
 }
-
-}  // namespace
 
 // query [R, Hq, d] (float32, bfloat16 or float16), scaled by `scaling` here; keys, values [S, d] (float32, bfloat16 or float16); tables: per row an int32
 // [H, L_r] slot table (any strides); lengths [R, H] int64; weights: per row a float32 [H, L_r] log-weight table

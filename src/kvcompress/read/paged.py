@@ -61,11 +61,16 @@ def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     kernel = cpu_kernels() if query.device.type == "cpu" else None
     if kernel is None:
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, coded, scores)
-    weights = [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * len(tables)
+    weights = _kernel_log_weights(log_weights, len(tables))
     spec = [] if coded is None else [coded.tier, coded.codec.bits, coded.codec.block_size, coded.codec.channel_group(query.shape[-1])]
     arrays = [] if coded is None else [coded.arrays[name] for name in KIVI_FIELDS]
     return kernel.paged_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT, spec,
                                arrays, NOTHING if scores is None else scores)
+
+
+def _kernel_log_weights(log_weights: list[torch.Tensor | None] | None, rows: int) -> list[torch.Tensor]:
+    """Each row's log-weights as the compiled reads take them: an empty tensor for none."""
+    return [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * rows
 
 
 def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
@@ -75,7 +80,7 @@ def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     kernel = cpu_kernels() if query.device.type == "cpu" and blocks.codec.bits == 4 else None
     if kernel is None:
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, blocks, scores)
-    weights = [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * len(tables)
+    weights = _kernel_log_weights(log_weights, len(tables))
     codes, references, codec = blocks.arrays, blocks.references, blocks.codec
     stored = codec.stored_keys() or (NOTHING, NOTHING, NOTHING)  # the decoder's key columns in 8 bits: an integer product
     return kernel.deltakv_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT,
@@ -155,12 +160,11 @@ def _decoded(coded: KiviBlocks | DeltaKVBlocks, ids: torch.Tensor) -> tuple[torc
         return coded.codec.decode(coded.arrays, ids & ENTRY_MASK)
     d = coded.references["keys"].shape[-1]
     keys, values = torch.empty(ids.shape[0], d, device=ids.device), torch.empty(ids.shape[0], d, device=ids.device)
-    for tier, decode in ((coded.tier, lambda e: coded.codec.decode_torch(coded.arrays, e)),
-                         (coded.reference_tier, lambda e: (coded.references["keys"].view(-1, d).index_select(0, e),
-                                                           coded.references["values"].view(-1, d).index_select(0, e)))):
+    for tier, decode, arrays in ((coded.tier, coded.codec.decode_torch, coded.arrays),
+                                 (coded.reference_tier, coded.codec.references.codec.decode, coded.references)):
         where = ((ids >> TIER_SHIFT) == tier).nonzero().squeeze(1)
         if where.numel():
-            k, v = decode(ids.index_select(0, where) & ENTRY_MASK)
+            k, v = decode(arrays, ids.index_select(0, where) & ENTRY_MASK)
             keys.index_copy_(0, where, k.float())
             values.index_copy_(0, where, v.float())
     return keys, values
