@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common import tiny_model
 from kvcompress.engine.decoder import Decoder
-from kvcompress.engine.packed import ROWS_STREAMED, FusedLinear, PackedLinear, can_pack, packed_or_own
+from kvcompress.engine.packed import ROWS_STREAMED, FusedLinear, PackedLinear, can_pack, packed_or_own, packs_bfloat16
 from kvcompress.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.nn.Linear(2, 2)), reason="this torch build has no oneDNN packed linear")
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not can_pack(torch.nn.Linear(2, 2)), reason="thi
 
 @settings(max_examples=20, deadline=None)
 @given(rows=st.sampled_from([1, 3, 8, 16, 17, 64]), lead=st.sampled_from([(), (2,)]), bias=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), width=st.sampled_from([48, 64]), seed=st.integers(0, 2**16))
+       dtype=st.sampled_from([torch.float32, torch.bfloat16] if packs_bfloat16() else [torch.float32]),
+       width=st.sampled_from([48, 64]), seed=st.integers(0, 2**16))
 def test_a_packed_linear_computes_what_f_linear_does(rows, lead, bias, dtype, width, seed):
     torch.manual_seed(seed)
     layer = torch.nn.Linear(width, 80, bias=bias).to(dtype)
@@ -31,6 +32,18 @@ def test_a_packed_linear_computes_what_f_linear_does(rows, lead, bias, dtype, wi
     assert out.shape == expected.shape and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance * float(expected.abs().max()), rtol=tolerance)
+
+
+def test_bfloat16_layers_keep_their_own_products_where_onednn_cannot_run_them(monkeypatch):
+    """An AVX2-only CPU (AMD Zen 3) has no oneDNN bfloat16 products: its bfloat16 layers are left as they are (reordering
+    their weights would raise), its float32 layers are still packed."""
+    import kvcompress.engine.packed as packed
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert not packed.packs_bfloat16()
+    bf16, f32 = torch.nn.Linear(16, 8).to(torch.bfloat16), torch.nn.Linear(16, 8)
+    assert packed_or_own(bf16, pack=True) is bf16 and isinstance(packed_or_own(f32, pack=True), PackedLinear)
+    assert FusedLinear([bf16, torch.nn.Linear(16, 4).to(torch.bfloat16)], pack=True).packed is None
 
 
 def test_the_decoder_packs_each_linear_weight_once_and_leaves_the_model_as_it_was():

@@ -32,11 +32,20 @@ ROWS_STREAMED = 16  # up to this many rows a bfloat16 product runs ``linear_rows
 
 
 def can_pack(module: nn.Module) -> bool:
-    """True for a plain ``nn.Linear`` on the CPU in float32 or bfloat16, where oneDNN's packed products are there."""
+    """True for a plain ``nn.Linear`` on the CPU in float32 or bfloat16, where oneDNN's packed products are there: in
+    bfloat16 only on a CPU oneDNN runs them on (AVX512BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU such as AMD's Zen 3
+    has neither, and its bfloat16 layers keep their own products)."""
     mkldnn = torch.ops.mkldnn
     return (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES
             and torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise"))
+            and hasattr(mkldnn, "_linear_pointwise")
+            and (module.weight.dtype != torch.bfloat16 or packs_bfloat16()))
+
+
+def packs_bfloat16() -> bool:
+    """Whether oneDNN's packed bfloat16 products run on this CPU."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is not None and bool(supported())
 
 
 class PackedLinear:
