@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
+from kvcompress.bench import cpu_description
 from kvcompress.config import parse_size
 from kvcompress.methods import split_method_list
 from kvcompress.models import embedded_checkpoint
@@ -184,7 +185,7 @@ def main() -> None:
         reference = rows[0]["answers"]
         for row in rows:
             row["same_answers"] = sum(a == b for a, b in zip(row["answers"], reference))
-        args.out.write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1, default=str))
+        args.out.write_text(json.dumps({"rows": rows, "args": vars(args), "cpu": cpu_description()}, indent=1, default=str))
     print(f"| engine | method | prefill tok/s | decode tok/s ({args.prompts} running) | end-to-end tok/s | same answers as "
           f"{rows[0]['engine']} {rows[0]['method']} |")
     print("|---|---|---|---|---|---|")

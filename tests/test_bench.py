@@ -3,7 +3,9 @@
 
 from common import tiny_model
 from kvcompress import get_method
-from kvcompress.bench import bench
+import torch
+
+from kvcompress.bench import bench, cpu_description
 
 
 def test_bench_rows_and_ratios():
@@ -39,3 +41,10 @@ def test_bench_reports_the_bytes_keepkv_keeps_off_the_device_for_refresh():
     # the uncompressed K/V of all 64 + 4 tokens (float32), positions and validity, and the last 8 queries
     assert keep["offloaded_bytes"] >= 2 * (2 * 68 * 2 * 16 * 4) + 2 * (8 * 4 * 16 * 4)
     assert keep["kv_bytes"] < full["kv_bytes"] / 2
+
+
+def test_a_result_file_names_the_cpu_and_its_vector_instructions():
+    """Timings compare only on one kind of CPU: bench.json says which (model name, and ATen's capability: AVX2, AVX512…)."""
+    described = cpu_description()
+    assert described.endswith(f"({torch.backends.cpu.get_cpu_capability()})") and len(described) > len("(AVX2)") + 1
+

@@ -64,6 +64,18 @@ def peak_memory(device: torch.device):
         result["peak_bytes"] = max(peak[0], _rss()) - base
 
 
+def cpu_description() -> str:
+    """This machine's CPU and the vector instructions ATen picked for it ("AMD EPYC (AVX2)"), for a result file: timings
+    are comparable only between runs on the same kind of CPU."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            name = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

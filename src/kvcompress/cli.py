@@ -347,7 +347,7 @@ def cmd_diagnose(args) -> int:
 
 def cmd_bench(args) -> int:
     """Speed and memory of each method against full in one run → bench.json."""
-    from .bench import bench
+    from .bench import bench, cpu_description
     from .eval import outdir
     from .eval.report import write_json
 
@@ -370,7 +370,7 @@ def cmd_bench(args) -> int:
                 **{k: getattr(args, k) for k in ("methods", "context_tokens", "batch_size", "decode_tokens", "repeats", "device")}}
     outdir.start(out, "bench", overwrite=args.overwrite)
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
-               device=str(model.device), threads=torch.get_num_threads())
+               device=str(model.device), threads=torch.get_num_threads(), cpu=cpu_description())
     print("| context | method | size | prefill s | compress s | decode ms/tok | kv MB | cr | off-device MB | peak MB | prefill ×full | decode ×full | kv ×full | compress ÷ full prefill |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -387,7 +387,7 @@ def cmd_bench(args) -> int:
 def _bench_engine(args) -> int:
     """``bench --engine``: many requests served at once on one KV pool, each method against full."""
     from . import LLM
-    from .bench import bench_engine, bandwidth_bound
+    from .bench import bandwidth_bound, bench_engine, cpu_description
     from .eval import outdir
     from .eval.report import write_json
 
@@ -404,7 +404,7 @@ def _bench_engine(args) -> int:
     settings = {k: getattr(args, k) for k in ("methods", "context_tokens", "requests", "max_tokens", "kv_memory", "max_num_seqs", "device")}
     outdir.start(out, "bench", overwrite=args.overwrite)
     write_json(out / "bench.json", rows, model=_model_name(args), seed=args.seed, settings=settings,
-               device=str(llm.model.device), threads=torch.get_num_threads())
+               device=str(llm.model.device), threads=torch.get_num_threads(), cpu=cpu_description())
     print("| context | method | size | kr | max concurrent | decode tok/s | prefill tok/s | end-to-end tok/s | TTFT s (median/p90) | "
           "TPOT ms (median/p90) | preemptions | concurrent ×full | decode tok/s ×full | bandwidth bound |")
     print("|" + "---|" * 14)

@@ -21,15 +21,41 @@
 
 namespace {
 
-// Pass 1, per token: its code z [d_c] and the sum of its references' vectors [2·H·d] (keys rotated back); where `small`
-// is given, its 4-bit integers too [d_c] (int8).
+// One head's row [d] turned by transformers' rotate-half RoPE, given its position's row of `rotary` (cosines [d/2], then
+// sines): to the position, out = x·cos + rotate_half(x)·sin; back from it, out = x·cos − rotate_half(x)·sin.
+inline void rotate_to(const float* x, const float* rotary_row, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  const float* cosines = rotary_row;
+  const float* sines = rotary_row + half;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    out[j] = x[j] * cosines[j] - x[j + half] * sines[j];
+    out[j + half] = x[j + half] * cosines[j] + x[j] * sines[j];
+  }
+}
+
+template <typename scalar_t>
+inline void rotate_back(const scalar_t* x, const float* rotary_row, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  const float* cosines = rotary_row;
+  const float* sines = rotary_row + half;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float first = to_float(x[j]), second = to_float(x[j + half]);
+    out[j] = first * cosines[j] + second * sines[j];
+    out[j + half] = second * cosines[j] - first * sines[j];
+  }
+}
+
+// Pass 1, per token: its code z [d_c] and the sum of its references' vectors [2·H·d] (keys rotated back).
 template <typename scalar_t>
 void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* codes, int64_t code_bytes, const at::Half* zeros,
                               const at::Half* scales, const int32_t* refs, int64_t top_k, const scalar_t* ref_keys,
                               const scalar_t* ref_values, const int32_t* ref_positions, const float* rotary, int64_t heads,
-                              int64_t head_dim, float* z, float* sums, int8_t* small = nullptr) {
-  const int64_t half = head_dim / 2, width = 2 * heads * head_dim;
+                              int64_t head_dim, float* z, float* sums) {
+  const int64_t width = 2 * heads * head_dim;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> unrotated(head_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = blocks[i];
       const float zero = static_cast<float>(zeros[b]), step = static_cast<float>(scales[b]);
@@ -39,28 +65,18 @@ void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* c
         zi[2 * c] = zero + static_cast<float>(code[c] & 15) * step;
         zi[2 * c + 1] = zero + static_cast<float>(code[c] >> 4) * step;
       }
-      if (small != nullptr)
-        for (int64_t c = 0; c < code_bytes; ++c) {
-          small[i * 2 * code_bytes + 2 * c] = static_cast<int8_t>(code[c] & 15);
-          small[i * 2 * code_bytes + 2 * c + 1] = static_cast<int8_t>(code[c] >> 4);
-        }
       float* sum = sums + i * width;
       std::fill(sum, sum + width, 0.0f);
       for (int64_t r = 0; r < top_k; ++r) {
         const int64_t ref = refs[b * top_k + r];
-        const float* cosines = rotary + static_cast<int64_t>(ref_positions[ref]) * head_dim;
-        const float* sines = cosines + half;
+        const float* rotary_row = rotary + static_cast<int64_t>(ref_positions[ref]) * head_dim;
         for (int64_t h = 0; h < heads; ++h) {
-          const scalar_t* k = ref_keys + (ref * heads + h) * head_dim;
           const scalar_t* v = ref_values + (ref * heads + h) * head_dim;
           float* sk = sum + h * head_dim;
           float* sv = sum + (heads + h) * head_dim;
-          for (int64_t j = 0; j < half; ++j) {  // rotated back: k·cos − rotate_half(k)·sin
-            const float first = static_cast<float>(k[j]), second = static_cast<float>(k[j + half]);
-            sk[j] += first * cosines[j] + second * sines[j];
-            sk[j + half] += second * cosines[j] - first * sines[j];
-          }
-          for (int64_t j = 0; j < head_dim; ++j) sv[j] += static_cast<float>(v[j]);
+          rotate_back(ref_keys + (ref * heads + h) * head_dim, rotary_row, head_dim, unrotated.data());
+          for (int64_t j = 0; j < head_dim; ++j) sk[j] += unrotated[j];
+          for (int64_t j = 0; j < head_dim; ++j) sv[j] += to_float(v[j]);
         }
       }
     }
@@ -71,7 +87,7 @@ void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* c
 void finish(const int64_t* blocks, int64_t n, const float* decoded, const float* sums, int64_t top_k, const int32_t* positions,
             const int16_t* layers, const float* scale, const float* rotary, int64_t heads, int64_t head_dim, float* keys,
             float* values) {
-  const int64_t half = head_dim / 2, width = 2 * heads * head_dim;
+  const int64_t width = 2 * heads * head_dim;
   const float count = static_cast<float>(top_k);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> x(width);
@@ -79,15 +95,9 @@ void finish(const int64_t* blocks, int64_t n, const float* decoded, const float*
       const int64_t b = blocks[i];
       const float* s = scale + static_cast<int64_t>(layers[b]) * width;
       for (int64_t j = 0; j < width; ++j) x[j] = decoded[i * width + j] * s[j] + sums[i * width + j] / count;
-      const float* cosines = rotary + static_cast<int64_t>(positions[b]) * head_dim;
-      const float* sines = cosines + half;
+      const float* rotary_row = rotary + static_cast<int64_t>(positions[b]) * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const float* xk = x.data() + h * head_dim;
-        float* key = keys + (i * heads + h) * head_dim;
-        for (int64_t j = 0; j < half; ++j) {  // rotated to its position: k·cos + rotate_half(k)·sin
-          key[j] = xk[j] * cosines[j] - xk[j + half] * sines[j];
-          key[j + half] = xk[j + half] * cosines[j] + xk[j] * sines[j];
-        }
+        rotate_to(x.data() + h * head_dim, rotary_row, head_dim, keys + (i * heads + h) * head_dim);
         std::copy(x.data() + (heads + h) * head_dim, x.data() + (heads + h + 1) * head_dim, values + (i * heads + h) * head_dim);
       }
     }
@@ -215,75 +225,22 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
 // ----- the decoding read in place ------------------------------------------------------------------------------------------
 // `deltakv_decode`: read/paged.py's `paged_decode` contract over slot tables that name plain slots, DeltaKV's reference tier
 // and its code tier (read/paged.py's `DeltaKVBlocks`), its PyTorch path (`paged_decode_torch`, every coded entry rebuilt by
-// `decode_torch`) the reference. Two phases:
-//   1. every coded token the tables name, once: its code z, its references' mean, and its keys alone rebuilt (z · the key
-//      half of decoder[l], the scale, the mean, RoPE): half of `deltakv_rebuild`'s product, in integers where the decoder
-//      is as a checkpoint stores it (`stored_key_part`);
-//   2. per (row, KV head, chunk of DECODE_CHUNK entries) a softmax in float32 whose values never exist for a coded entry: values carry
-//      no RoPE, so Σ p_i v̂_i = ((Σ p_i z_i) · W_V) ⊙ s_V + Σ p_i m_i (W_V, s_V the head's value columns of the decoder and
-//      scale). The chunks keep Σ p z [G, d_c] beside Σ p v [G, d]; the merge projects it once per query head.
+// `decode_torch`) the reference. No coded entry's keys or values are written out whole:
+//   1. the coded tokens the tables name, each once, and the references they name: each token's 4-bit code as integers c
+//      (z = zero + step · c), each reference's keys rotated back to no position (U_r), and the key half of the decoder's
+//      product z · W_K for every named token at once (in exact integers where the decoder is as a checkpoint stores it:
+//      z · W = steps ⊙ (zero · Σ_c codes + step · (c · codes)));
+//   2. per (row, KV head, chunk of DECODE_CHUNK entries), a softmax in float32. A coded entry's key is made where its logit
+//      is taken: RoPE_t(part ⊙ s_K + Σ_r U_r / k). Its value never is: values carry no RoPE, so
+//        Σ p_i v̂_i = ((Σ p_i z_i) · W_V) ⊙ s_V + Σ_r (Σ_{i names r} p_i / k) v_r,
+//      the chunk keeping Σ p z as Σ p·zero and Σ (p·step) c, and each reference's weight (a reference read as an entry
+//      adds its p there too), its value read once per chunk. The merge projects Σ p z by the head's value columns once
+//      per query head.
 // Tables that name plain slots only (the layers DeltaKV leaves raw) go to `paged_decode` whole.
 namespace {
 
-constexpr int64_t DECODE_CHUNK = 512;
-constexpr float MINUS_INF = -std::numeric_limits<float>::infinity();
-
-// Phase 1's end, per token: its keys [H, d] = (key_part ⊙ scale + sums / k) rotated to the token's position (scale: the
-// layer's [2·H·d]) and its references' mean values [H, d] = sums / k.
-void finish_keys(const int64_t* blocks, int64_t n, const float* key_part, const float* sums, int64_t top_k, const int32_t* positions,
-                 const float* scale, const float* rotary, int64_t heads, int64_t head_dim, float* keys, float* mean_values) {
-  const int64_t half = head_dim / 2, width = 2 * heads * head_dim;
-  const float count = static_cast<float>(top_k);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(head_dim);
-    for (int64_t i = begin; i < end; ++i) {
-      const float* cosines = rotary + static_cast<int64_t>(positions[blocks[i]]) * head_dim;
-      const float* sines = cosines + half;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* part = key_part + (i * heads + h) * head_dim;
-        const float* sum = sums + i * width + h * head_dim;
-        for (int64_t j = 0; j < head_dim; ++j) x[j] = part[j] * scale[h * head_dim + j] + sum[j] / count;
-        float* key = keys + (i * heads + h) * head_dim;
-        for (int64_t j = 0; j < half; ++j) {  // rotated to its position: k·cos + rotate_half(k)·sin
-          key[j] = x[j] * cosines[j] - x[j + half] * sines[j];
-          key[j + half] = x[j + half] * cosines[j] + x[j] * sines[j];
-        }
-        const float* value_sum = sums + i * width + (heads + h) * head_dim;
-        float* mean = mean_values + (i * heads + h) * head_dim;
-        for (int64_t j = 0; j < head_dim; ++j) mean[j] = value_sum[j] / count;
-      }
-    }
-  });
-}
-
-// z · W for the tokens `blocks` [n] where W is the decoder's key columns as a checkpoint stores them, W = codes ⊙ steps (8-bit
-// integers [d_c, H·d], a float step per column): z = zero + step · c with 4-bit integers c (`unpacked`, int8 [n, d_c]), so
-// z · W = steps ⊙ (zero · Σ_c codes + step · (c · codes)), and c · codes is an integer product (at::_int_mm: exact, several
-// times a float product's speed).
-at::Tensor stored_key_part(const int64_t* blocks, int64_t n, const at::Tensor& unpacked, const at::Tensor& code_zero,
-                           const at::Tensor& code_scale, const at::Tensor& key_codes, const at::Tensor& steps, const at::Tensor& sums) {
-  const int64_t columns = key_codes.size(1);
-  const at::Tensor products = at::_int_mm(unpacked, key_codes);  // [n, H·d] int32
-  auto part = at::empty({n, columns}, steps.options());
-  const int32_t* product = products.data_ptr<int32_t>();
-  const float* step = steps.data_ptr<float>();
-  const float* sum = sums.data_ptr<float>();
-  const at::Half* zeros = code_zero.data_ptr<at::Half>();
-  const at::Half* scales = code_scale.data_ptr<at::Half>();
-  float* out = part.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float zero = static_cast<float>(zeros[blocks[i]]), scale = static_cast<float>(scales[blocks[i]]);
-#pragma omp simd
-      for (int64_t j = 0; j < columns; ++j)
-        out[i * columns + j] = step[j] * (zero * sum[j] + scale * static_cast<float>(product[i * columns + j]));
-    }
-  });
-  return part;
-}
-
-// What one entry of a table is: a hole, a plain slot, a reference (raw, in the reference tier) or a coded token (its
-// rebuilt keys, references' mean values and code at `token` of phase 1), and the row it reads (the entry's own head).
+// What one entry of a table is: a hole, a plain slot, a reference (raw, in the reference tier) or a coded token, and the
+// row it reads (the entry's own head).
 enum class Entry : uint8_t { hole, plain, reference, coded };
 
 struct Tiers {
@@ -309,65 +266,209 @@ inline Entry entry_of(int64_t id, const Tiers& t, int64_t& row) {
   return Entry::hole;
 }
 
-// Phase 2 for one chunk [begin, end) of head h of a row: acc [G, d], codes [G, d_c] (Σ p z), the chunk's max m [G] and sum l [G].
+// A sparse set of ids below a bound, kept by the calling thread from call to call (its pages already in memory): `slot`
+// needs no clearing, an id is in the set when the dense list names it back.
+struct SparseSet {
+  std::vector<int32_t> slot;
+  std::vector<int64_t> ids;
+  void reset(int64_t bound) {
+    if (static_cast<int64_t>(slot.size()) < bound) slot.resize(bound);
+    ids.clear();
+  }
+  int64_t find(int64_t id) const {
+    const int32_t at = slot[id];
+    return at >= 0 && at < static_cast<int64_t>(ids.size()) && ids[at] == id ? at : -1;
+  }
+  int64_t insert(int64_t id) {  // its index, added if new
+    const int64_t at = find(id);
+    if (at >= 0) return at;
+    slot[id] = static_cast<int32_t>(ids.size());
+    ids.push_back(id);
+    return static_cast<int64_t>(ids.size()) - 1;
+  }
+};
+
+// Phase 1's view of the named tokens, for phase 2: token i (the index the tables' coded entries map to) is block
+// blocks[i]; its integer code small[i] [d_c]; the key half of its product part [H·d] is
+//   stored: steps ⊙ (zero_b · key_sums + step_b · ints[i])   else: floats[i];
+// its k references are the named references token_refs[i · k ..], each's keys rotated back at unrotated[r] [H·d] and its
+// reference-tier row at references[r].
+struct Coded {
+  const int64_t* blocks;
+  const int8_t* small;
+  int64_t code_width;
+  const at::Half* zeros;
+  const at::Half* steps_of_token;
+  const int32_t* ints;
+  const float* floats;
+  const float* column_steps;
+  const float* column_sums;
+  const float* key_scale;  // the layer's s_K [H·d]
+  const int32_t* token_refs;
+  int64_t top_k;
+  const int64_t* references;
+  const float* unrotated;
+  const int32_t* positions;
+  const float* rotary;
+};
+
+// Coded token i's key of head h [d]: RoPE at its position of (part ⊙ s_K + Σ_r U_r / k).
+void coded_key(const Coded& c, int64_t i, int64_t h, int64_t d, int64_t heads, float* x, float* key) {
+  const int64_t b = c.blocks[i], columns = heads * d, first = h * d;
+  if (c.ints != nullptr) {
+    const float zero = to_float(c.zeros[b]), step = to_float(c.steps_of_token[b]);
+    const int32_t* product = c.ints + i * columns + first;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j)
+      x[j] = c.column_steps[first + j] * (zero * c.column_sums[first + j] + step * static_cast<float>(product[j])) * c.key_scale[first + j];
+  } else {
+    const float* product = c.floats + i * columns + first;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) x[j] = product[j] * c.key_scale[first + j];
+  }
+  const float share = 1.f / static_cast<float>(c.top_k);
+  for (int64_t r = 0; r < c.top_k; ++r) {
+    const float* u = c.unrotated + c.token_refs[i * c.top_k + r] * columns + first;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) x[j] += u[j] * share;
+  }
+  rotate_to(x, c.rotary + static_cast<int64_t>(c.positions[b]) * d, d, key);
+}
+
+// One chunk's sums: acc [G, d] (Σ p v over plain entries and, at the end, over references by their weights), zero_sums [G]
+// (Σ p·zero) and code_sums [G, d_c] (Σ (p·step) c) over coded entries, the max m [G] and sum l [G].
+struct ChunkSums {
+  float *acc, *zero_sums, *code_sums, *m, *l;
+};
+
+// Phase 2 for one chunk [begin, end) of head h of a row. `tokens` maps a coded block to its named index, `named_refs` a
+// reference-tier token to its.
 template <typename scalar_t>
-void read_chunk(const float* q, int64_t groups, int64_t d, int64_t code_width, const Tiers& tiers, const int32_t* slots,
-                int64_t entry_stride, const float* weights, int64_t weight_stride, int64_t begin, int64_t end, const scalar_t* keys,
-                const scalar_t* values, const scalar_t* ref_keys, const scalar_t* ref_values, const float* rebuilt_keys,
-                const float* mean_values, const float* z, const int32_t* token_of, float* acc, float* codes, float* m, float* l,
-                float* scores, int64_t scores_stride) {
-  const int64_t n = end - begin;
-  std::vector<float> logits(groups * n);
-  std::vector<int64_t> rows(n);
+void read_chunk(const float* q, int64_t groups, int64_t d, int64_t h, const Tiers& tiers, const int32_t* slots, int64_t entry_stride,
+                const float* weights, int64_t weight_stride, int64_t begin, int64_t end, const scalar_t* keys, const scalar_t* values,
+                const scalar_t* ref_keys, const scalar_t* ref_values, const Coded& coded, const SparseSet& tokens,
+                const SparseSet& named_refs, ChunkSums out, float* scores, int64_t scores_stride) {
+  const int64_t n = end - begin, heads = tiers.heads, width = coded.code_width, top_k = coded.top_k;
+  std::vector<float> logits(groups * n), x(std::max(d, width)), key(d);
+  std::vector<int64_t> rows(n);  // a plain slot's row, else the chunk's index of its token or reference
+  std::vector<int32_t> weighed(n * top_k);  // the chunk's index of each reference an entry weighs (a reference: itself)
   std::vector<Entry> kinds(n);
+  thread_local SparseSet chunk_refs;  // the named references this chunk weighs
+  chunk_refs.reset(static_cast<int64_t>(named_refs.ids.size()));
   for (int64_t i = 0; i < n; ++i) {
-    const Entry kind = entry_of(slots[(begin + i) * entry_stride], tiers, rows[i]);
+    int64_t row;
+    const Entry kind = entry_of(slots[(begin + i) * entry_stride], tiers, row);
     kinds[i] = kind;
+    rows[i] = row;
     const float bias = weights ? weights[(begin + i) * weight_stride] : 0.f;
+    const float* k = nullptr;
+    const scalar_t* stored_key = nullptr;
+    if (kind == Entry::plain) stored_key = keys + row * d;
+    else if (kind == Entry::reference) {
+      stored_key = ref_keys + row * d;
+      weighed[i * top_k] = static_cast<int32_t>(chunk_refs.insert(named_refs.find(row / heads)));
+    } else if (kind == Entry::coded) {
+      const int64_t token = tokens.find(row / heads);
+      rows[i] = token;
+      coded_key(coded, token, h, d, heads, x.data(), key.data());
+      k = key.data();
+      for (int64_t r = 0; r < top_k; ++r) weighed[i * top_k + r] = static_cast<int32_t>(chunk_refs.insert(coded.token_refs[token * top_k + r]));
+    }
     for (int64_t g = 0; g < groups; ++g) {
       const float* qg = q + g * d;
-      float logit = MINUS_INF;
-      if (kind == Entry::plain) logit = dot(qg, keys + rows[i] * d, d) + bias;
-      else if (kind == Entry::reference) logit = dot(qg, ref_keys + rows[i] * d, d) + bias;
-      else if (kind == Entry::coded) {
-        const int64_t token = token_of[rows[i] / tiers.heads];
-        logit = dot(qg, rebuilt_keys + (token * tiers.heads + rows[i] % tiers.heads) * d, d) + bias;
-      }
-      logits[g * n + i] = logit;
+      logits[g * n + i] = stored_key ? dot(qg, stored_key, d) + bias : (k ? dot(qg, k, d) + bias : NEG_INF);
     }
   }
   if (scores)
     for (int64_t g = 0; g < groups; ++g) std::copy(logits.data() + g * n, logits.data() + (g + 1) * n, scores + g * scores_stride + begin);
-  std::fill(acc, acc + groups * d, 0.f);
-  std::fill(codes, codes + groups * code_width, 0.f);
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {  // each query's softmax numerators, in place of its logits
     float* p = logits.data() + g * n;
-    float top = MINUS_INF;
+    float top = NEG_INF;
     for (int64_t i = 0; i < n; ++i) top = std::max(top, p[i]);
-    m[g] = top;
-    l[g] = 0.f;
-    if (top == MINUS_INF) continue;
+    out.m[g] = top;
     float total = 0.f;
+    if (top != NEG_INF) {
 #pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) {
-      p[i] = exp_float(p[i] - top);  // holes: 0
-      total += p[i];
+      for (int64_t i = 0; i < n; ++i) {
+        p[i] = exp_float(p[i] - top);  // holes: 0
+        total += p[i];
+      }
+    } else {
+      std::fill(p, p + n, 0.f);
     }
-    l[g] = total;
-    float* out = acc + g * d;
-    for (int64_t i = 0; i < n; ++i) {
-      if (kinds[i] == Entry::plain) axpy(out, p[i], values + rows[i] * d, d);
-      else if (kinds[i] == Entry::reference) axpy(out, p[i], ref_values + rows[i] * d, d);
-      else if (kinds[i] == Entry::coded) {
-        const int64_t token = token_of[rows[i] / tiers.heads];
-        axpy(out, p[i], mean_values + (token * tiers.heads + rows[i] % tiers.heads) * d, d);
-        axpy(codes + g * code_width, p[i], z + token * code_width, code_width);
+    out.l[g] = total;
+  }
+  std::fill(out.acc, out.acc + groups * d, 0.f);
+  std::fill(out.zero_sums, out.zero_sums + groups, 0.f);
+  std::fill(out.code_sums, out.code_sums + groups * width, 0.f);
+  std::vector<float> ref_weights(chunk_refs.ids.size() * groups, 0.f);  // [chunk's references, G]
+  const float share = 1.f / static_cast<float>(top_k);
+  for (int64_t i = 0; i < n; ++i) {
+    if (kinds[i] == Entry::plain) {
+      for (int64_t g = 0; g < groups; ++g) axpy(out.acc + g * d, logits[g * n + i], values + rows[i] * d, d);
+    } else if (kinds[i] == Entry::reference) {
+      for (int64_t g = 0; g < groups; ++g) ref_weights[weighed[i * top_k] * groups + g] += logits[g * n + i];
+    } else if (kinds[i] == Entry::coded) {
+      const int64_t b = coded.blocks[rows[i]];
+      const float zero = to_float(coded.zeros[b]), step = to_float(coded.steps_of_token[b]);
+      const int8_t* c = coded.small + rows[i] * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) x[j] = static_cast<float>(c[j]);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float p = logits[g * n + i];
+        out.zero_sums[g] += p * zero;
+        axpy(out.code_sums + g * width, p * step, x.data(), width);
+        for (int64_t r = 0; r < top_k; ++r) ref_weights[weighed[i * top_k + r] * groups + g] += p * share;
       }
     }
   }
+  for (int64_t at = 0; at < static_cast<int64_t>(chunk_refs.ids.size()); ++at) {  // each reference's value, read once
+    const scalar_t* v = ref_values + (coded.references[chunk_refs.ids[at]] * heads + h) * d;
+    for (int64_t g = 0; g < groups; ++g)
+      if (ref_weights[at * groups + g] != 0.f) axpy(out.acc + g * d, ref_weights[at * groups + g], v, d);
+  }
+}
+
+// Every named reference's keys rotated back to no position [H·d] (U_r), float32.
+template <typename scalar_t>
+void unrotate_references(const std::vector<int64_t>& named, const scalar_t* ref_keys, const int32_t* ref_positions, const float* rotary,
+                         int64_t heads, int64_t d, float* unrotated) {
+  at::parallel_for(0, static_cast<int64_t>(named.size()), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* rotary_row = rotary + static_cast<int64_t>(ref_positions[named[i]]) * d;
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_back(ref_keys + (named[i] * heads + h) * d, rotary_row, d, unrotated + (i * heads + h) * d);
+    }
+  });
+}
+
+// Every named token's 4-bit code as int8 integers [n, d_c]; where `z` is given, as floats too (zero + step · c).
+void unpack_codes(const std::vector<int64_t>& named, const uint8_t* codes, int64_t code_bytes, const at::Half* zeros,
+                  const at::Half* steps, int8_t* small, float* z) {
+  at::parallel_for(0, static_cast<int64_t>(named.size()), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* code = codes + named[i] * code_bytes;
+      int8_t* c = small + i * 2 * code_bytes;
+      for (int64_t j = 0; j < code_bytes; ++j) {
+        c[2 * j] = static_cast<int8_t>(code[j] & 15);
+        c[2 * j + 1] = static_cast<int8_t>(code[j] >> 4);
+      }
+      if (z == nullptr) continue;
+      const float zero = to_float(zeros[named[i]]), step = to_float(steps[named[i]]);
+      for (int64_t j = 0; j < 2 * code_bytes; ++j) z[i * 2 * code_bytes + j] = zero + step * static_cast<float>(c[j]);
+    }
+  });
 }
 
 }  // namespace
+
+bool int8_products_fast() {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling, const at::Tensor& keys, const at::Tensor& values,
                                        const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
@@ -409,13 +510,13 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
                 "scores: float32 [R, Hq, L], contiguous, L at least every head's length");
   const Tiers tiers{tier_shift, (int64_t{1} << tier_shift) - 1, code_tier, reference_tier, keys.size(0), ref_keys.size(0), total, heads};
 
-  // phase 1: the coded tokens named, each once (a sparse set: token_of needs no clearing, a token is in it when the
-  // dense list names it back, so the calling thread keeps one from call to call, its pages already in memory), every id
-  // checked before any work
-  thread_local std::vector<int32_t> token_map;
-  if (static_cast<int64_t>(token_map.size()) < total) token_map.resize(total);
-  int32_t* token_of = token_map.data();
-  std::vector<int64_t> named;
+  // phase 1: the coded tokens named, each once, and the references they and the tables name, every id checked before any work
+  thread_local SparseSet named_tokens, named_references;  // the calling thread's: the parallel regions below read them by reference
+  SparseSet& tokens = named_tokens;
+  SparseSet& references = named_references;
+  std::vector<int32_t> token_refs;  // each named token's references, as their index among the named
+  tokens.reset(total);
+  references.reset(tiers.references);
   const int32_t* ref_ids = refs.data_ptr<int32_t>();
   const int16_t* layer_ids = layers.data_ptr<int16_t>();
   const int32_t* position_ids = positions.data_ptr<int32_t>();
@@ -436,51 +537,46 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
         TORCH_CHECK(id == 0 || kind != Entry::hole, "deltakv_decode: a slot table names a slot outside the pool, or an entry of a tier "
                     "it was not given (", id, ")");
         plain_only &= kind != Entry::reference && kind != Entry::coded;
+        if (kind == Entry::reference) references.insert(row / heads);
         if (kind != Entry::coded) continue;
         const int64_t b = row / heads;
-        const int32_t seen = token_of[b];
-        if (seen >= 0 && seen < static_cast<int64_t>(named.size()) && named[seen] == b) continue;
+        if (tokens.find(b) >= 0) continue;
         TORCH_CHECK(layer < 0 || layer_ids[b] == layer, "deltakv_decode: the tables name coded tokens of layers ", layer, " and ",
                     layer_ids[b], " (one read is one layer's)");
         check_token("deltakv_decode", b, layer_ids, decoder.size(0), position_ids, ref_ids, top_k, tiers.references, ref_position_ids,
                     table_rows);
         layer = layer_ids[b];
-        token_of[b] = static_cast<int32_t>(named.size());
-        named.push_back(b);
+        tokens.insert(b);
+        for (int64_t k = 0; k < top_k; ++k) token_refs.push_back(static_cast<int32_t>(references.insert(ref_ids[b * top_k + k])));
       }
   }
   if (plain_only)  // a layer DeltaKV leaves raw: the plain read, with its vectorized paths
     return paged_decode(queries, scaling, keys, values, tables, lengths, weights, tier_shift, {}, {}, scores);
-  const int64_t n = static_cast<int64_t>(named.size());
-  auto z = at::empty({n, code_width}, decoder.options());
-  auto sums = at::empty({n, width}, decoder.options());
-  auto rebuilt = at::empty({n, heads, d}, decoder.options());
-  auto means = at::empty({n, heads, d}, decoder.options());
-  auto small = stored ? at::empty({n, code_width}, codes.options().dtype(at::kChar)) : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "deltakv_decode_codes", [&] {
-    codes_and_reference_sums<scalar_t>(named.data(), n, codes.data_ptr<uint8_t>(), codes.size(1), code_zero.data_ptr<at::Half>(),
-                                       code_scale.data_ptr<at::Half>(), ref_ids, top_k, ref_keys.data_ptr<scalar_t>(),
-                                       ref_values.data_ptr<scalar_t>(), ref_position_ids, rotary.data_ptr<float>(), heads, d,
-                                       z.data_ptr<float>(), sums.data_ptr<float>(), stored ? small.data_ptr<int8_t>() : nullptr);
+  const int64_t n = static_cast<int64_t>(tokens.ids.size()), named_refs = static_cast<int64_t>(references.ids.size());
+  auto small = at::empty({n, code_width}, codes.options().dtype(at::kChar));
+  auto z = stored ? at::Tensor() : at::empty({n, code_width}, decoder.options());
+  auto unrotated = at::empty({named_refs, heads * d}, decoder.options());
+  unpack_codes(tokens.ids, codes.data_ptr<uint8_t>(), codes.size(1), code_zero.data_ptr<at::Half>(), code_scale.data_ptr<at::Half>(),
+               small.data_ptr<int8_t>(), stored ? nullptr : z.data_ptr<float>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "deltakv_decode_references", [&] {
+    unrotate_references<scalar_t>(references.ids, ref_keys.data_ptr<scalar_t>(), ref_position_ids, rotary.data_ptr<float>(), heads, d,
+                                  unrotated.data_ptr<float>());
   });
-  if (n > 0) {  // the keys: z · decoder[l]'s key columns, then the scale, the mean and RoPE; the values' mean
-    const at::Tensor key_part = stored ? stored_key_part(named.data(), n, small, code_zero, code_scale, key_codes[layer],
-                                                         key_steps[layer], key_sums[layer])
-                                       : at::mm(z, decoder[layer].narrow(1, 0, heads * d));
-    finish_keys(named.data(), n, key_part.data_ptr<float>(), sums.data_ptr<float>(), top_k, position_ids,
-                scale.data_ptr<float>() + layer * width, rotary.data_ptr<float>(), heads, d, rebuilt.data_ptr<float>(),
-                means.data_ptr<float>());
-  }
+  const int64_t key_layer = std::max<int64_t>(layer, 0);  // tables naming references and no coded token: no product is read
+  at::Tensor product;  // z · W_K [n, H·d]: int32 from the stored columns, else float32
+  if (n > 0) product = stored ? at::_int_mm(small, key_codes[key_layer]) : at::mm(z, decoder[key_layer].narrow(1, 0, heads * d));
+  const Coded coded{tokens.ids.data(), small.data_ptr<int8_t>(), code_width, code_zero.data_ptr<at::Half>(), code_scale.data_ptr<at::Half>(),
+                    n > 0 && stored ? product.data_ptr<int32_t>() : nullptr, n > 0 && !stored ? product.data_ptr<float>() : nullptr,
+                    stored ? key_steps.data_ptr<float>() + key_layer * heads * d : nullptr,
+                    stored ? key_sums.data_ptr<float>() + key_layer * heads * d : nullptr, scale.data_ptr<float>() + key_layer * width,
+                    token_refs.data(), top_k, references.ids.data(), unrotated.data_ptr<float>(), position_ids, rotary.data_ptr<float>()};
 
   // phase 2: every (row, head) in chunks, then merged by log-sum-exp, Σ p z projected by the head's value columns
   const int64_t groups = hq / heads;
-  std::vector<int64_t> first(rows * heads + 1, 0);
-  for (int64_t rh = 0; rh < rows * heads; ++rh) first[rh + 1] = first[rh] + std::max<int64_t>(1, (length[rh] + DECODE_CHUNK - 1) / DECODE_CHUNK);
-  const int64_t tasks = first.back();
-  std::vector<float> acc(tasks * groups * d), code_sums(tasks * groups * code_width), m(tasks * groups), l(tasks * groups);
-  std::vector<int64_t> owner(tasks);
-  for (int64_t rh = 0; rh < rows * heads; ++rh)
-    for (int64_t t = first[rh]; t < first[rh + 1]; ++t) owner[t] = rh;
+  const DecodeTasks tasks(length, rows * heads);
+  const int64_t count = tasks.count();
+  std::vector<float> acc(count * groups * d), zero_sums(count * groups), code_sums(count * groups * code_width), m(count * groups),
+      l(count * groups);
   float* score = scores.numel() ? scores.data_ptr<float>() : nullptr;
   const int64_t score_stride = scores.numel() ? scores.size(2) : 0;
   const float* q = query.data_ptr<float>();
@@ -489,18 +585,17 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
     const scalar_t* v = values.data_ptr<scalar_t>();
     const scalar_t* rk = ref_keys.data_ptr<scalar_t>();
     const scalar_t* rv = ref_values.data_ptr<scalar_t>();
-    at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
-        const int64_t rh = owner[t], r = rh / heads, h = rh % heads;
-        const int64_t begin = (t - first[rh]) * DECODE_CHUNK, end = std::min(length[rh], begin + DECODE_CHUNK);
+        const int64_t rh = tasks.owner[t], r = rh / heads, h = rh % heads;
         const at::Tensor& table = tables[r];
         const at::Tensor& w = weights[r];
         const float* wp = w.numel() ? w.data_ptr<float>() + h * w.stride(0) : nullptr;
-        read_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, code_width, tiers, table.data_ptr<int32_t>() + h * table.stride(0),
-                             table.stride(1), wp, w.numel() ? w.stride(1) : 0, begin, std::max(begin, end), k, v, rk, rv,
-                             rebuilt.data_ptr<float>(), means.data_ptr<float>(), z.data_ptr<float>(), token_of,
-                             acc.data() + t * groups * d, code_sums.data() + t * groups * code_width, m.data() + t * groups,
-                             l.data() + t * groups, score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride);
+        const ChunkSums sums{acc.data() + t * groups * d, zero_sums.data() + t * groups, code_sums.data() + t * groups * code_width,
+                             m.data() + t * groups, l.data() + t * groups};
+        read_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, h, tiers, table.data_ptr<int32_t>() + h * table.stride(0),
+                             table.stride(1), wp, w.numel() ? w.stride(1) : 0, tasks.begin(t), tasks.end(t), k, v, rk, rv, coded, tokens,
+                             references, sums, score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride);
       }
     });
   });
@@ -508,34 +603,30 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
   auto lse = at::empty({rows, hq}, query.options());
   float* o = out.data_ptr<float>();
   float* s = lse.data_ptr<float>();
-  const float* value_columns = layer >= 0 ? decoder.data_ptr<float>() + layer * code_width * width + heads * d : nullptr;
-  const float* value_scale = layer >= 0 ? scale.data_ptr<float>() + layer * width + heads * d : nullptr;
+  const float* value_columns = decoder.data_ptr<float>() + key_layer * code_width * width + heads * d;
+  const float* value_scale = scale.data_ptr<float>() + key_layer * width + heads * d;
   at::parallel_for(0, rows * heads, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> projected(d), merged(code_width);
     for (int64_t rh = lo; rh < hi; ++rh) {
       const int64_t r = rh / heads, h = rh % heads;
       for (int64_t g = 0; g < groups; ++g) {
-        float top = MINUS_INF;
-        for (int64_t t = first[rh]; t < first[rh + 1]; ++t) top = std::max(top, m[t * groups + g]);
         float* dst = o + (r * hq + h * groups + g) * d;
-        s[r * hq + h * groups + g] = top;
-        if (top == MINUS_INF) continue;  // the head holds nothing: output 0, lse -inf
-        float sum = 0.f;
+        float zero_sum = 0.f;
         std::fill(merged.begin(), merged.end(), 0.f);
-        for (int64_t t = first[rh]; t < first[rh + 1]; ++t) {
-          if (m[t * groups + g] == MINUS_INF) continue;
-          const float factor = std::exp(m[t * groups + g] - top);
-          sum += l[t * groups + g] * factor;
+        const auto [top, total] = merge_chunks(tasks, rh, m.data(), l.data(), groups, g, [&](int64_t t, float factor) {
+          zero_sum += zero_sums[t * groups + g] * factor;
           axpy(dst, factor, acc.data() + (t * groups + g) * d, d);
           axpy(merged.data(), factor, code_sums.data() + (t * groups + g) * code_width, code_width);
-        }
-        if (value_columns != nullptr) {  // (Σ p z) · W_V ⊙ s_V
+        });
+        s[r * hq + h * groups + g] = top;
+        if (top == NEG_INF) continue;  // the head holds nothing: output 0, lse -inf
+        if (layer >= 0) {  // (Σ p z) · W_V ⊙ s_V, Σ p z = Σ p·zero + Σ (p·step) c
           std::fill(projected.begin(), projected.end(), 0.f);
-          for (int64_t c = 0; c < code_width; ++c) axpy(projected.data(), merged[c], value_columns + c * width + h * d, d);
+          for (int64_t c = 0; c < code_width; ++c) axpy(projected.data(), merged[c] + zero_sum, value_columns + c * width + h * d, d);
           for (int64_t j = 0; j < d; ++j) dst[j] += projected[j] * value_scale[h * d + j];
         }
-        for (int64_t j = 0; j < d; ++j) dst[j] /= sum;
-        s[r * hq + h * groups + g] = top + std::log(sum);
+        for (int64_t j = 0; j < d; ++j) dst[j] /= total;
+        s[r * hq + h * groups + g] = top + std::log(total);
       }
     }
   });

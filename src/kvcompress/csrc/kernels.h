@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -66,6 +67,45 @@ inline float exp_float(float x) {
   return x < -87.0f ? 0.0f : (x > 88.0f ? std::numeric_limits<float>::infinity() : e * scale);
 }
 
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// A decoding read's work, for paged_decode.cpp and deltakv_rebuild.cpp: every (row, KV head) rh of lengths [R·H] cut into
+// chunks of DECODE_CHUNK entries (one, even for an empty head); task t covers entries [begin(t), end(t)) of head owner[t],
+// head rh's tasks are first[rh] .. first[rh + 1] - 1.
+constexpr int64_t DECODE_CHUNK = 512;
+struct DecodeTasks {
+  const int64_t* length;
+  std::vector<int64_t> first, owner;
+  DecodeTasks(const int64_t* lengths, int64_t heads_total) : length(lengths), first(heads_total + 1, 0) {
+    for (int64_t rh = 0; rh < heads_total; ++rh)
+      first[rh + 1] = first[rh] + std::max<int64_t>(1, (length[rh] + DECODE_CHUNK - 1) / DECODE_CHUNK);
+    owner.resize(first.back());
+    for (int64_t rh = 0; rh < heads_total; ++rh) std::fill(owner.begin() + first[rh], owner.begin() + first[rh + 1], rh);
+  }
+  int64_t count() const { return first.back(); }
+  int64_t chunks(int64_t rh) const { return first[rh + 1] - first[rh]; }
+  int64_t begin(int64_t t) const { return (t - first[owner[t]]) * DECODE_CHUNK; }
+  int64_t end(int64_t t) const { return std::max(begin(t), std::min(length[owner[t]], begin(t) + DECODE_CHUNK)); }
+};
+
+// Query g's chunks of head rh merged by log-sum-exp, from each chunk's max m and sum l [tasks, G]: add(t, factor) for every
+// chunk that holds entries, factor = exp(m_t − top). Returns {top, Σ_t l_t · factor}; top is −inf where the head holds
+// nothing (add is then never called).
+template <typename Add>
+std::pair<float, float> merge_chunks(const DecodeTasks& tasks, int64_t rh, const float* m, const float* l, int64_t groups, int64_t g,
+                                     Add add) {
+  float top = NEG_INF, total = 0.f;
+  for (int64_t t = tasks.first[rh]; t < tasks.first[rh + 1]; ++t) top = std::max(top, m[t * groups + g]);
+  if (top == NEG_INF) return {top, total};
+  for (int64_t t = tasks.first[rh]; t < tasks.first[rh + 1]; ++t) {
+    if (m[t * groups + g] == NEG_INF) continue;
+    const float factor = std::exp(m[t * groups + g] - top);
+    total += l[t * groups + g] * factor;
+    add(t, factor);
+  }
+  return {top, total};
+}
+
 // A decoding query [R, Hq, d] in float32 times the scaling, and a float32 output back in the query's dtype: one pass each,
 // no ATen operations (their dispatch costs more at these sizes); in paged_decode.cpp, for both decoding reads.
 at::Tensor scaled_query(const at::Tensor& query, float scaling);
@@ -93,6 +133,10 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
                                        const at::Tensor& ref_keys, const at::Tensor& ref_values, const at::Tensor& ref_positions,
                                        const at::Tensor& decoder, const at::Tensor& scale, const at::Tensor& key_codes,
                                        const at::Tensor& key_steps, const at::Tensor& key_sums, const at::Tensor& rotary, at::Tensor scores);
+
+// Whether this CPU multiplies int8 matrices at speed (VNNI: AVX512-VNNI or AVX-VNNI), for deltakv_decode's integer key
+// product through at::_int_mm; without it ATen's int8 product is a scalar loop (~35x a float32 product on AMD Zen 3).
+bool int8_products_fast();
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 

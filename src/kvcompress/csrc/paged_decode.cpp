@@ -4,7 +4,7 @@
 //
 // Per (row r, KV head h): the entries j < lengths[r, h] of the slot table tables[r][h, :] (slot 0: a hole,
 // skipped), each with an optional log-weight weights[r][h, j]. The G = Hq / H query heads of the group
-// share every key and value they load. Work is split into chunks of CHUNK entries (flash-decoding), each
+// share every key and value they load. Work is split into chunks of DECODE_CHUNK entries (flash-decoding), each
 // chunk an online softmax over blocks of BLOCK entries with float32 accumulators; chunks are merged by
 // log-sum-exp. Out: the attention output [R, Hq, d] and the log partition function [R, Hq] (float32,
 // -inf where a head has no entry).
@@ -36,8 +36,6 @@
 namespace {
 
 constexpr int64_t BLOCK = 64;
-constexpr int64_t CHUNK = 512;
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Table {
   const int32_t* slots;   // entry j of head h at slots[h * head_stride + j * entry_stride]
@@ -443,14 +441,8 @@ void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, c
   const int64_t* length = lengths.data_ptr<int64_t>();
   const scalar_t* k = keys.data_ptr<scalar_t>();
   const scalar_t* v = values.data_ptr<scalar_t>();
-  // every (row, head) cut into chunks: task t covers entries [begin, end) of head (r, h)
-  std::vector<int64_t> first(rows * heads + 1, 0);
-  for (int64_t rh = 0; rh < rows * heads; ++rh) first[rh + 1] = first[rh] + std::max<int64_t>(1, (length[rh] + CHUNK - 1) / CHUNK);
-  const int64_t tasks = first.back();
-  std::vector<float> acc(tasks * groups * d), m(tasks * groups), l(tasks * groups);
-  std::vector<int64_t> owner(tasks);
-  for (int64_t rh = 0; rh < rows * heads; ++rh)
-    for (int64_t t = first[rh]; t < first[rh + 1]; ++t) owner[t] = rh;
+  const DecodeTasks tasks(length, rows * heads);
+  std::vector<float> acc(tasks.count() * groups * d), m(tasks.count() * groups), l(tasks.count() * groups);
   std::atomic<bool> out_of_range{false};
   float* score = scores.numel() ? scores.data_ptr<float>() : nullptr;
   const int64_t score_stride = scores.numel() ? scores.size(2) : 0;
@@ -459,42 +451,32 @@ void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, c
   const auto merge = [&](int64_t rh) {  // head (r, h)'s chunks merged by log-sum-exp into its output and lse
     const int64_t r = rh / heads, h = rh % heads;
     for (int64_t g = 0; g < groups; ++g) {
-      float top = NEG_INF;
-      for (int64_t t = first[rh]; t < first[rh + 1]; ++t) top = std::max(top, m[t * groups + g]);
       float* dst = o + (r * hq + h * groups + g) * d;
       std::fill(dst, dst + d, 0.f);
-      if (top == NEG_INF) {  // the head holds nothing: output 0, lse -inf
-        s[r * hq + h * groups + g] = NEG_INF;
-        continue;
-      }
-      float total = 0.f;
-      for (int64_t t = first[rh]; t < first[rh + 1]; ++t) {
-        if (m[t * groups + g] == NEG_INF) continue;
-        const float scale = std::exp(m[t * groups + g] - top);
-        total += l[t * groups + g] * scale;
-        const float* part = acc.data() + (t * groups + g) * d;
-        for (int64_t c = 0; c < d; ++c) dst[c] += part[c] * scale;
-      }
+      const auto [top, total] = merge_chunks(tasks, rh, m.data(), l.data(), groups, g, [&](int64_t t, float factor) {
+        axpy(dst, factor, acc.data() + (t * groups + g) * d, d);
+      });
+      s[r * hq + h * groups + g] = top;
+      if (top == NEG_INF) continue;  // the head holds nothing: output 0, lse -inf
       for (int64_t c = 0; c < d; ++c) dst[c] /= total;
       s[r * hq + h * groups + g] = top + std::log(total);
     }
   };
-  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tasks.count(), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t rh = owner[t], r = rh / heads, h = rh % heads;
-      const int64_t begin = (t - first[rh]) * CHUNK, end = std::min(length[rh], begin + CHUNK);
+      const int64_t rh = tasks.owner[t], r = rh / heads, h = rh % heads;
       const int64_t offset = (r * hq + h * groups) * d;
-      attend_chunk<scalar_t>(q + offset, q_bf16 ? q_bf16 + offset : nullptr, scaling, groups, d, k, v, num_slots, kivi, tables[r], h, begin, end,
-                             acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups,
+      attend_chunk<scalar_t>(q + offset, q_bf16 ? q_bf16 + offset : nullptr, scaling, groups, d, k, v, num_slots, kivi, tables[r], h,
+                             tasks.begin(t), tasks.end(t), acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups,
                              score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride, out_of_range);
-      if (first[rh + 1] - first[rh] == 1) merge(rh);  // its only chunk: merged here, without a second parallel region
+      if (tasks.chunks(rh) == 1) merge(rh);  // its only chunk: merged here, without a second parallel region
     }
   });
   TORCH_CHECK(!out_of_range, "paged_decode: a slot table names a slot outside the pool, or a coded entry of a tier it was not given");
-  if (tasks > rows * heads) {  // heads of several chunks, merged once every chunk is done
+  if (tasks.count() > rows * heads) {  // heads of several chunks, merged once every chunk is done
     at::parallel_for(0, rows * heads, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t rh = lo; rh < hi; ++rh)
-        if (first[rh + 1] - first[rh] > 1) merge(rh);
+        if (tasks.chunks(rh) > 1) merge(rh);
     });
   }
 }

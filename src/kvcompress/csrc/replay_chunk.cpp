@@ -33,7 +33,6 @@ constexpr int64_t LANES = 16;           // float32 sums in a register
 constexpr int64_t VECTORS = 4;          // registers of keys (or of channels) in a tile
 constexpr int64_t KEYS = LANES * VECTORS;
 constexpr int64_t ROWS = 6;             // queries in a task
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 #if defined(__AVX512BF16__)
 constexpr bool HAS_BF16_DOTS = true;

@@ -37,7 +37,6 @@ at::Tensor top_pages(const at::Tensor& bound, const at::Tensor& useful, const at
   const int64_t* counts = count.data_ptr<int64_t>();
   const int64_t* kept = protected_columns.data_ptr<int64_t>();
   int64_t* columns = out.data_ptr<int64_t>();
-  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> score(total);
     std::vector<int64_t> order(total);

@@ -82,12 +82,19 @@ def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, blocks, scores)
     weights = _kernel_log_weights(log_weights, len(tables))
     codes, references, codec = blocks.arrays, blocks.references, blocks.codec
-    stored = codec.stored_keys() or (NOTHING, NOTHING, NOTHING)  # the decoder's key columns in 8 bits: an integer product
+    stored = (codec.stored_keys() if _int8_products(kernel) else None) or (NOTHING, NOTHING, NOTHING)
     return kernel.deltakv_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT,
                                  blocks.tier, blocks.reference_tier, codes["code"], codes["code_zero"], codes["code_scale"],
                                  codes["refs"], codes["position"], codes["layer"], references["keys"], references["values"],
                                  references["position"], codec.weights.decoder, codec.weights.scale, *stored, codec.rotary,
                                  NOTHING if scores is None else scores)
+
+
+def _int8_products(kernel) -> bool:
+    """Whether the compiled DeltaKV read takes its keys' product in exact int8 over the decoder's key columns as a checkpoint
+    stores them (``DeltaKVCodec.stored_keys``): where this CPU has VNNI, else a float32 product over the same columns (ATen's
+    int8 product without VNNI is a scalar loop, ~35× slower on AMD Zen 3)."""
+    return bool(kernel.int8_products_fast())
 
 
 def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],
