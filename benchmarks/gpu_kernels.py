@@ -1,12 +1,14 @@
 """The paged decode read's bandwidth on a CUDA GPU, against the GPU's own measured copy bandwidth.
 
-    python benchmarks/gpu_kernels.py [--out runs/gpu_kernels.json] [--sweep]
+    python benchmarks/gpu_kernels.py [--out runs/gpu_kernels.json] [--kinds plain,kivi2] [--sweep kivi2:llama-3.1-8b:8:32768]
 
 Model shapes of real sizes (random entries: no weights are needed): Llama-3.1-8B (32 query heads, 8 KV heads,
 head_dim 128) and Qwen2.5-7B (28 query heads, 4 KV heads), 8k–32k entries per head, 1–32 rows, bfloat16 pools.
 Each row's entries lie in the pool in runs of 16 slots, the runs in random order (how a pool that has served for a
 while hands slots out). Cases: every entry plain; half the entries holes (a selection left them out); per-entry
-log-weights; every entry but the last 128 coded as 2-bit KIVI (each head's blocks of 32 anywhere in the tier).
+log-weights; every entry but the last 128 coded as 2-bit KIVI (each head's blocks of 32 anywhere in the tier, a block's
+entries in order in the head's columns, as the engine codes them: the kernel reads each block whole); the same with
+each block's first two columns swapped ("kivi2-swapped": the kernel reads those entry by entry).
 
 Bytes counted (the fewest a read must move): for each entry, its slot (4 bytes), its log-weight where it has one
 (4), and its key and value where it is plain (2·d·2 bytes) or its codes, zero points and scales where it is coded;
@@ -16,7 +18,7 @@ useful bandwidth. The peak is a device-to-device copy of 4 GiB measured in the s
 Times are medians of ``triton.testing.do_bench`` (CUDA events), eager (one launch after another, as the engine
 calls it) and replayed from a CUDA graph (the kernels alone, no launch gaps). Each case is also checked against the
 plain-PyTorch float32 read (``paged_decode_torch``) on the same entries. ``--sweep`` then times every launch
-shape (``Tuning``) on one case. Prints a table; writes every figure to ``--out`` as it goes.
+shape (``Tuning``) on the cases it names. Prints a table; writes every figure to ``--out`` as it goes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import triton
 import triton.testing
 
 from kvcompress.read.paged import paged_decode_torch
-from kvcompress.read.paged_triton import KIVI_TUNING, TUNING, Tuning, multiprocessor_count, paged_decode_triton, split_size
+from kvcompress.read.paged_triton import TUNING, Tuning, kivi_tuning, multiprocessor_count, paged_decode_triton, split_size
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.store.slots import TIER_SHIFT
 from kvcompress.store.view import KiviBlocks
@@ -40,6 +42,8 @@ from kvcompress.store.view import KiviBlocks
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
 RUN = 16  # slots handed out in runs of this many
 KIVI_TIER, RECENT = 1, 128
+KINDS = ("plain", "holes", "weighted", "kivi2", "kivi2-swapped")
+KIVI = kivi_tuning(32)  # the launch shape for the cases' KIVI blocks of 32
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -70,7 +74,7 @@ def make_case(shape: str, rows: int, context: int, kind: str, device: torch.devi
     elif kind == "weighted":
         log_weights = [w for w in -torch.rand(rows, heads, context, generator=gen, device=device)]
         entry_bytes += 4
-    elif kind == "kivi2":
+    elif kind in ("kivi2", "kivi2-swapped"):
         codec = KiviCodec(bits=2, group_size=32, param_dtype=torch.bfloat16)
         coded = context - RECENT
         blocks = rows * heads * coded // codec.block_size
@@ -80,6 +84,8 @@ def make_case(shape: str, rows: int, context: int, kind: str, device: torch.devi
         kivi = KiviBlocks(KIVI_TIER, codec, arrays)
         order = 1 + torch.randperm(blocks, generator=gen, device=device)  # a head's blocks anywhere in the tier; its entries in order
         ids = order[:, None] * codec.block_size + torch.arange(codec.block_size, device=device)
+        if kind == "kivi2-swapped":
+            ids[:, [0, 1]] = ids[:, [1, 0]]
         slots[..., :coded] = ((KIVI_TIER << TIER_SHIFT) | ids.reshape(rows, heads, coded)).int()
         per_block = sum(a[1:].numel() * a.element_size() for a in arrays.values()) / blocks
         entry_bytes[..., :coded] = 4 + per_block / codec.block_size
@@ -127,35 +133,38 @@ def dense_sdpa(shape: str, rows: int, context: int, device: torch.device) -> dic
     return {"sdpa_ms": ms, "sdpa_GBps": moved / ms / 1e6}
 
 
-def sweep(device: torch.device) -> list[dict]:
-    case = make_case("llama-3.1-8b", 8, 32768, "plain", device)
+def sweep(device: torch.device, kind: str, shape: str, rows: int, context: int) -> list[dict]:
+    """Every launch shape (blocks of 32–128 entries, 4 or 8 warps, 1 or 2 stages) on one case, each checked against
+    the reference."""
+    case = make_case(shape, rows, context, kind, device)
     results = []
     for block in (32, 64, 128):
         for warps in (4, 8):
-            for stages in (1, 2, 3):
+            for stages in (1, 2):
                 tuning = Tuning(block=block, warps=warps, stages=stages)
                 try:
-                    timing = time_read(case, tuning)
+                    timing = {**time_read(case, tuning), "rel_error": error_against_reference(case, tuning)}
                 except Exception as error:  # a shape that does not fit (registers, shared memory)
                     timing = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
-                results.append({**dataclasses.asdict(tuning), **timing})
-                print("sweep", results[-1], flush=True)
+                results.append({"kind": kind, "shape": shape, "rows": rows, "context": context, **dataclasses.asdict(tuning), **timing})
+                print("sweep", json.dumps(results[-1]), flush=True)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_kernels.json"))
-    parser.add_argument("--sweep", action="store_true", help="then time every launch shape on one case")
+    parser.add_argument("--sweep", default="", help="then time every launch shape on these cases (kind:shape:rows:context, comma-separated)")
     parser.add_argument("--contexts", default="8192,16384,32768")
     parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--tuning", default=None, help="block,warps,stages of the split kernel (default: the module's TUNING, KIVI_TUNING for coded entries)")
     args = parser.parse_args()
     tuning = None if args.tuning is None else Tuning(*map(int, args.tuning.split(",")))
     device = torch.device("cuda")
     peak = copy_bandwidth(device)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_GBps": peak / 1e9, "tuning": dataclasses.asdict(tuning) if tuning else {"plain": dataclasses.asdict(TUNING), "kivi": dataclasses.asdict(KIVI_TUNING)}, "cases": []}
+              "copy_GBps": peak / 1e9, "tuning": dataclasses.asdict(tuning) if tuning else {"plain": dataclasses.asdict(TUNING), "kivi": dataclasses.asdict(KIVI)}, "cases": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{report['device']}: device-to-device copy {peak / 1e9:.0f} GB/s", flush=True)
     for shape in SHAPES:
@@ -163,10 +172,10 @@ def main() -> None:
             for rows in map(int, args.rows.split(",")):
                 if rows * context > 32 * 32768:
                     continue
-                for kind in ("plain", "holes", "weighted", "kivi2"):
+                for kind in filter(None, args.kinds.split(",")):
                     case = make_case(shape, rows, context, kind, device)
                     row = {"shape": shape, "rows": rows, "context": context, "kind": kind,
-                           "split": split_size(rows * SHAPES[shape][1], context, multiprocessor_count(device), tuning or (KIVI_TUNING if kind == "kivi2" else TUNING)), **time_read(case, tuning),
+                           "split": split_size(rows * SHAPES[shape][1], context, multiprocessor_count(device), tuning or (KIVI if kind.startswith("kivi") else TUNING)), **time_read(case, tuning),
                            "rel_error": error_against_reference(case, tuning)}
                     if kind == "plain":
                         row.update(dense_sdpa(shape, rows, context, device))
@@ -182,9 +191,15 @@ def main() -> None:
         sdpa = f"{r['sdpa_GBps']:9.0f}" if "sdpa_GBps" in r else " " * 9
         print(f"{r['shape']:14} {r['rows']:4} {r['context']:6} {r['kind']:9} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} "
               f"{r['graph_GBps']:7.0f} {r['graph_of_peak']:7.0%} {sdpa} {r['rel_error']:8.1e}")
-    if args.sweep:
-        report["sweep"] = sweep(device)
+    report["sweep"] = []
+    for spec in filter(None, args.sweep.split(",")):
+        kind, shape, rows, context = spec.split(":")
+        report["sweep"] += sweep(device, kind, shape, int(rows), int(context))
         args.out.write_text(json.dumps(report, indent=1))
+    print(f"{'kind':9} {'shape':14} {'rows':>4} {'ctx':>6} {'block':>5} {'warps':>5} {'stages':>6} {'graph ms':>9} {'GB/s':>7} {'rel err':>8}")
+    for r in report["sweep"]:
+        timing = f"{r['graph_ms']:9.3f} {r['graph_GBps']:7.0f} {r['rel_error']:8.1e}" if "graph_ms" in r else r["error"][:60]
+        print(f"{r['kind']:9} {r['shape']:14} {r['rows']:4} {r['context']:6} {r['block']:5} {r['warps']:5} {r['stages']:6} {timing}")
 
 
 if __name__ == "__main__":

@@ -38,11 +38,18 @@ def _kivi_blocks(gen: torch.Generator, dim: int, bits: int, group_size: int, blo
     return KiviBlocks(KIVI_TIER, codec, {name: torch.cat([torch.zeros_like(r[:1]), r]) for name, r in rows.items()})
 
 
+CODED_LAYOUTS = ("anywhere", "blocks", "blocks-swapped")
+
+
 def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list[int], hole_rate: float, weighted: bool,
-          dtype: torch.dtype, coded_rate: float = 0.0, bits: int = 2, group_size: int = 8, query_dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype, coded_rate: float = 0.0, bits: int = 2, group_size: int = 8, query_dtype: torch.dtype = torch.float32,
+          coded_layout: str = "anywhere"):
     """A pool of random entries and per-row slot tables (strided views of (slot, position) pairs, with spare
     columns), some entries holes (slot 0) and some (``coded_rate``) entries of a KIVI tier; and the same entries
-    laid out densely, decoded, for the reference. The query in ``query_dtype`` (the engine's: the pool's)."""
+    laid out densely, decoded, for the reference. The query in ``query_dtype`` (the engine's: the pool's).
+    ``coded_layout``: coded entries at random columns naming random entries ("anywhere"), or a head's first columns
+    naming whole KIVI blocks' entries in order, as the engine codes them, each block anywhere in the tier ("blocks";
+    "blocks-swapped": two of a block's columns swapped)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.tensor(lengths, dtype=torch.long).view(rows, heads)
     longest = int(lengths.max())
@@ -59,10 +66,21 @@ def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list
     index = pairs[:, :, :longest, 0].long()
     dense_keys, dense_values = keys[index].float(), values[index].float()
     kivi = None
-    if coded_rate > 0:
+    if coded_rate > 0 and coded_layout == "anywhere":
         kivi = _kivi_blocks(gen, dim, bits, group_size, 1 + total // group_size, dtype)
         coded = (torch.rand(rows, heads, longest, generator=gen) < coded_rate) & valid & ~holes
         entries = torch.randint(group_size, kivi.arrays["key_codes"].shape[0] * group_size, (int(coded.sum()),), generator=gen)
+    elif coded_rate > 0:
+        per_head = max(1, -(-longest // group_size))
+        kivi = _kivi_blocks(gen, dim, bits, group_size, rows * heads * per_head, dtype)
+        blocks = 1 + torch.randperm(rows * heads * per_head, generator=gen).view(rows, heads, per_head)
+        ids = (blocks[..., None] * group_size + torch.arange(group_size)).flatten(2)[..., :longest]  # [R, H, L]
+        if coded_layout == "blocks-swapped" and longest > 1:
+            ids[..., [0, 1]] = ids[..., [1, 0]]
+        whole = (lengths * coded_rate).long() // group_size * group_size  # coded columns per head: whole blocks
+        coded = (span < whole[..., None]) & ~holes
+        entries = ids[coded]
+    if coded_rate > 0:
         pairs[:, :, :longest, 0][coded] = ((KIVI_TIER << TIER_SHIFT) | entries).int()
         dense_keys[coded], dense_values[coded] = kivi.codec.decode(kivi.arrays, entries)
     weights = torch.randn(rows, heads, longest + 5, 3, generator=gen) if weighted else None  # column 1: the log-weights
@@ -79,18 +97,19 @@ def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list
 CASES = dict(rows=st.integers(1, 3), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 7]), dim=st.sampled_from([8, 64, 128]),
              data=st.data(), hole_rate=st.sampled_from([0.0, 0.3, 1.0]), weighted=st.booleans(),
              dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16),
-             coded_rate=st.sampled_from([0.0, 0.5, 1.0]), bits=st.sampled_from([2, 4]), group_size=st.sampled_from([8, 32]))
+             coded_rate=st.sampled_from([0.0, 0.5, 1.0]), bits=st.sampled_from([2, 4]), group_size=st.sampled_from([8, 16, 32]),
+             coded_layout=st.sampled_from(CODED_LAYOUTS))
 
 
 @settings(max_examples=40, deadline=None)
 @given(**CASES)
 def test_paged_decode_equals_the_reference_read(rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits,
-                                                group_size):
+                                                group_size, coded_layout):
     """Ragged heads across the kernel's blocks (64) and chunks (512), holes anywhere, log-weights, GQA, KIVI-coded
     entries among plain ones: out and lse equal the float32 reference over the same (stored, decoded) entries; a head
     with nothing to read gives 0 and -inf."""
     _check_against_reference((paged_decode, paged_decode_torch), rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed,
-                             coded_rate, bits, group_size)
+                             coded_rate, bits, group_size, coded_layout)
 
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,16 +117,30 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 2e-3} if TRITON_DEVICE == "cuda" else TOLERANCE
 
 
-@settings(max_examples=12 if TRITON_DEVICE == "cpu" else 40, deadline=None)
+@settings(max_examples=12 if TRITON_DEVICE == "cpu" else 25, deadline=None)
 @given(**CASES, split=st.sampled_from([None, 128, 256, 512]))
 def test_the_triton_read_equals_the_reference_read(rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits,
-                                                   group_size, split):
+                                                   group_size, coded_layout, split):
     """The GPU kernel, on a GPU where there is one, else in Triton's interpreter on the CPU (the suite sets
     TRITON_INTERPRET=1 without a GPU); splits of any size, merged."""
     triton_read = functools.partial(pytest.importorskip("kvcompress.read.paged_triton").paged_decode_triton, split=split)
     triton_read.__name__ = f"paged_decode_triton(split={split})"
     _check_against_reference((triton_read,), rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits, group_size,
-                             device=TRITON_DEVICE, tolerance=TRITON_TOLERANCE[dtype], longer=split is not None)
+                             coded_layout, device=TRITON_DEVICE, tolerance=TRITON_TOLERANCE[dtype], longer=split is not None)
+
+
+@settings(max_examples=6 if TRITON_DEVICE == "cpu" else 15, deadline=None)
+@given(bits=st.sampled_from([2, 4]), group_size=st.sampled_from([16, 32]), layout=st.sampled_from(CODED_LAYOUTS[1:]),
+       hole_rate=st.sampled_from([0.0, 0.3]), weighted=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       groups=st.sampled_from([1, 4]), dim=st.sampled_from([64, 128]), seed=st.integers(0, 2**16), data=st.data())
+def test_the_triton_read_of_whole_kivi_blocks_equals_the_reference_read(bits, group_size, layout, hole_rate, weighted, dtype, groups, dim,
+                                                                         seed, data):
+    """Heads whose first columns name whole KIVI blocks' entries in order, as the engine codes them: the kernel reads
+    each such block whole (its codes as rows of bytes, the keys' product on the codes); a block with two columns
+    swapped is read entry by entry. Both equal the reference."""
+    triton_read = pytest.importorskip("kvcompress.read.paged_triton").paged_decode_triton
+    _check_against_reference((triton_read,), 2, 2, groups, dim, data, hole_rate, weighted, dtype, seed, 0.9, bits, group_size, layout,
+                             device=TRITON_DEVICE, tolerance=TRITON_TOLERANCE[dtype])
 
 
 def test_a_launch_shape_that_does_not_fit_the_gpu_falls_back_to_smaller_ones(monkeypatch):
@@ -167,14 +200,14 @@ def test_splits_cover_each_head_in_blocks_and_fill_the_gpu_without_flooding_it(p
 
 
 def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits, group_size,
-                             device="cpu", tolerance=None, longer=False):
+                             coded_layout="anywhere", device="cpu", tolerance=None, longer=False):
     """``longer``: also read with the longest head given as longer than it is (more, empty splits), which must
     change nothing."""
     tolerance = tolerance or TOLERANCE[dtype]
     lengths = data.draw(st.lists(st.sampled_from([0, 1, 5, 63, 64, 65, 511, 513, 1100]), min_size=rows * heads, max_size=rows * heads))
     query_dtype = data.draw(st.sampled_from([torch.float32, dtype]))  # the engine's query comes in the pool's dtype
     query, keys, values, tables, lengths, log_weights, view, kivi = _case(seed, rows, heads, groups, dim, lengths, hole_rate, weighted,
-                                                                          dtype, coded_rate, bits, group_size, query_dtype)
+                                                                          dtype, coded_rate, bits, group_size, query_dtype, coded_layout)
     rounding = torch.finfo(query_dtype).eps if query_dtype != torch.float32 else 0.0  # the output comes back in the query's dtype
     scaling = 1 / math.sqrt(dim)
     ref_out, ref_lse, ref_sums = read_reference(query[:, :, None], torch.ones(rows, 1, dtype=torch.long), view, scaling, col_sums=True)

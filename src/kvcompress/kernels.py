@@ -8,7 +8,7 @@ PyTorch path beside its caller, the reference it is tested against and what runs
 * ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``), and read in place by a decoding read
   (``read/paged.py``);
 * ``decoder_ops.cpp``: the engine decoder's norms, RoPE and SiLU, one pass each (``engine/decoder.py``);
-* ``linear_rows.cpp``: a bfloat16 linear product over a decoding step's few rows (``engine/packed.py``).
+* ``linear_rows.cpp``: a float32 or bfloat16 linear product over a decoding step's few rows (``engine/packed.py``).
 """
 
 from __future__ import annotations

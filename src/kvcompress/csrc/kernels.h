@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 #if defined(__F16C__)
@@ -149,6 +150,8 @@ bool replay_chunk_available();
 std::vector<at::Tensor> replay_chunk(const at::Tensor& rows, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& new_keys,
                                      const at::Tensor& new_values, double scaling);
 
-bool linear_rows_available();
+std::vector<std::string> linear_rows_dtypes();
+
+bool linear_rows_bf16_dots();
 
 at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::optional<at::Tensor>& bias);

@@ -1,30 +1,75 @@
-// A linear product over a few rows in bfloat16 (a decoding step's): out = x · weightᵀ + bias, streaming the weight once
-// from memory at the machine's read bandwidth. The contract is engine/packed.py's `PackedLinear`; F.linear is its reference.
+// A linear product over a few rows (a decoding step's): out = x · weightᵀ + bias, streaming the weight once from memory at
+// the machine's read bandwidth. The contract is engine/packed.py's `PackedLinear`; F.linear is its reference.
 //
-//   linear_rows(x [M, K] bfloat16, weights: pieces [N_i, K] bfloat16 (each contiguous), bias [Σ N_i] bfloat16 or None)
-//     → out [M, Σ N_i] bfloat16: the pieces' products side by side, as if their weights were stacked (a layer's query,
+//   linear_rows(x [M, K], weights: pieces [N_i, K] (each contiguous), bias [Σ N_i] or None), all float32 or all bfloat16
+//     → out [M, Σ N_i] in x's dtype: the pieces' products side by side, as if their weights were stacked (a layer's query,
 //     key and value products read from their own weights, with no stacked copy).
 //
-// Each output is Σ_k x[m, k] · weight[n, k] in float32 (every product exact: AVX512-BF16's VDPBF16PS, 32 channels a step),
-// plus the bias, rounded to bfloat16 once. oneDNN's products (the engine's path for more rows) sum in another order, so
-// the two may differ in the last bit. Weight rows are taken two at a time against eight rows of x (sixteen sums in
-// registers); the threads each stream a contiguous run of weight rows, prefetched 8 KiB ahead (on the machines measured,
-// the hardware's own prefetch leaves this at half the read bandwidth).
+// Each output is Σ_k x[m, k] · weight[n, k] in float32 plus the bias, rounded to the dtype once; oneDNN's products (the
+// engine's path for more rows) sum in another order, so the two may differ in the last bit. Two kernels:
+//   * bfloat16 where the CPU has AVX512-BF16: VDPBF16PS, 32 channels a step (every product exact), weight rows two at a
+//     time against eight rows of x (sixteen sums in registers), K a multiple of 32;
+//   * float32, and bfloat16 elsewhere, where the CPU has AVX2 and FMA: eight channels a step (a bfloat16 number widened
+//     to float32 in registers: its bits shifted up), weight rows two at a time against four rows of x (eight sums in
+//     registers), K a multiple of 8.
+// The threads each stream a contiguous run of weight rows, prefetched 8 KiB ahead (on the machines measured, the
+// hardware's own prefetch leaves this at half the read bandwidth).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t ROWS = 8;  // rows of x per pass (a pass: two weight rows against them)
+constexpr int64_t AHEAD = 8192;  // bytes of weight prefetched ahead of the rows being read
+
+// A piece of the stacked weight: its rows are the output's [first, first + count), its groups of rows the tasks from
+// first_group.
+template <typename weight_t>
+struct Piece {
+  const weight_t* weight;
+  int64_t first, count, first_group;
+};
+
+template <int64_t GROUP, typename weight_t>
+std::vector<Piece<weight_t>> pieces_of(const std::vector<at::Tensor>& weights) {
+  std::vector<Piece<weight_t>> pieces;
+  int64_t first = 0, first_group = 0;
+  for (const at::Tensor& weight : weights) {
+    pieces.push_back({weight.data_ptr<weight_t>(), first, weight.size(0), first_group});
+    first += weight.size(0);
+    first_group += (weight.size(0) + GROUP - 1) / GROUP;
+  }
+  return pieces;
+}
+
+// Every group of GROUP weight rows (a piece's last rows fewer where its count is not a multiple) handed to pass(group, rows
+// of the group, its first output column), the groups split into contiguous runs, one a thread, each run's start prefetched.
+template <int64_t GROUP, typename weight_t, typename Pass>
+void stream_groups(const std::vector<Piece<weight_t>>& pieces, int64_t k_channels, Pass pass) {
+  const auto groups_of = [](const Piece<weight_t>& piece) { return (piece.count + GROUP - 1) / GROUP; };
+  const int64_t groups = pieces.back().first_group + groups_of(pieces.back());
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    size_t piece = 0;
+    for (int64_t p = begin; p < end; ++p) {
+      while (p >= pieces[piece].first_group + groups_of(pieces[piece])) ++piece;
+      const Piece<weight_t>& at = pieces[piece];
+      const int64_t local = GROUP * (p - at.first_group);  // the group's first row in its piece
+      const weight_t* group = at.weight + local * k_channels;
+      if (p == begin) {  // the run's start, before the loop's prefetches reach it
+        for (int64_t offset = 0; offset < AHEAD; offset += 64) __builtin_prefetch(reinterpret_cast<const char*>(group) + offset);
+      }
+      pass(group, std::min(GROUP, at.count - local), at.first + local);
+    }
+  });
+}
 
 #if defined(__AVX512BF16__)
 constexpr bool HAS_BF16_DOTS = true;
-constexpr int64_t AHEAD = 8192;  // bytes of weight prefetched ahead of the rows being read
+constexpr int64_t ROWS = 8;  // rows of x per pass (a pass: two weight rows against them)
 
 // out[m, n0 + j] = x[m] · row0[j] + bias[n0 + j] for j < PAIR (2, or 1 where only one row is left) and m < rows, over K
 // channels; x holds ROWS rows (the ones past `rows` zeros), so every loop has a fixed length and the sums stay in registers.
@@ -50,32 +95,13 @@ inline void rows_pass(const at::BFloat16* x, int64_t rows, int64_t k_channels, c
   }
 }
 
-// A piece of the stacked weight: its rows are the output's [first, first + count), its pairs of rows the tasks from first_pair.
-struct Piece {
-  const at::BFloat16* weight;
-  int64_t first, count, first_pair;
-};
-
-void linear_rows_bf16(const at::BFloat16* x, int64_t rows, int64_t k_channels, const std::vector<Piece>& pieces, int64_t n_out,
-                      const at::BFloat16* bias, at::BFloat16* out) {
-  const int64_t pairs = pieces.back().first_pair + (pieces.back().count + 1) / 2;
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-    size_t piece = 0;
-    for (int64_t p = begin; p < end; ++p) {
-      while (p >= pieces[piece].first_pair + (pieces[piece].count + 1) / 2) ++piece;
-      const Piece& at = pieces[piece];
-      const int64_t local = 2 * (p - at.first_pair);  // the pair's first row in its piece
-      const at::BFloat16* pair = at.weight + local * k_channels;
-      if (p == begin) {  // the run's start, before the loop's prefetches reach it
-        for (int64_t offset = 0; offset < AHEAD; offset += 64) __builtin_prefetch(reinterpret_cast<const char*>(pair) + offset);
-      }
-      for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
-        const int64_t m = std::min(ROWS, rows - m0);
-        const at::BFloat16* xs = x + m0 * k_channels;
-        at::BFloat16* to = out + m0 * n_out;
-        if (local + 1 < at.count) rows_pass<2>(xs, m, k_channels, pair, at.first + local, bias, to, n_out);
-        else rows_pass<1>(xs, m, k_channels, pair, at.first + local, bias, to, n_out);
-      }
+void linear_rows_bf16(const at::BFloat16* x, int64_t rows, int64_t k_channels, const std::vector<Piece<at::BFloat16>>& pieces,
+                      int64_t n_out, const at::BFloat16* bias, at::BFloat16* out) {
+  stream_groups<2>(pieces, k_channels, [&](const at::BFloat16* pair, int64_t count, int64_t column) {
+    for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
+      const int64_t m = std::min(ROWS, rows - m0);
+      if (count == 2) rows_pass<2>(x + m0 * k_channels, m, k_channels, pair, column, bias, out + m0 * n_out, n_out);
+      else rows_pass<1>(x + m0 * k_channels, m, k_channels, pair, column, bias, out + m0 * n_out, n_out);
     }
   });
 }
@@ -83,41 +109,128 @@ void linear_rows_bf16(const at::BFloat16* x, int64_t rows, int64_t k_channels, c
 constexpr bool HAS_BF16_DOTS = false;
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool HAS_FMA_SUMS = true;
+constexpr int64_t FMA_ROWS = 4;   // rows of x per pass,
+constexpr int64_t FMA_GROUP = 2;  // against two weight rows: eight sums in registers
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is float32's top half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+// out[m, n0 + j] = x[m] · row0[j] + bias[n0 + j] for j < PAIR and m < rows, x in float32 holding FMA_ROWS rows (the ones
+// past `rows` zeros), weights and out in weight_t.
+template <int64_t PAIR, typename weight_t>
+inline void fma_pass(const float* x, int64_t rows, int64_t k_channels, const weight_t* row0, int64_t n0, const weight_t* bias,
+                     weight_t* out, int64_t n_out) {
+  __m256 acc[PAIR][FMA_ROWS];
+  for (int64_t j = 0; j < PAIR; ++j)
+    for (int64_t m = 0; m < FMA_ROWS; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_channels; k += 8) {
+    if (k % (64 / sizeof(weight_t)) == 0)
+      for (int64_t j = 0; j < PAIR; ++j) __builtin_prefetch(reinterpret_cast<const char*>(row0 + j * k_channels + k) + AHEAD);
+    __m256 weights[PAIR];
+    for (int64_t j = 0; j < PAIR; ++j) {
+      weights[j] = load8(row0 + j * k_channels + k);
+      asm("" : "+x"(weights[j]));  // loaded once into a register (the compiler would fold a load into every multiply-add)
+    }
+    for (int64_t m = 0; m < FMA_ROWS; ++m) {
+      const __m256 xs = _mm256_loadu_ps(x + m * k_channels + k);
+      for (int64_t j = 0; j < PAIR; ++j) acc[j][m] = _mm256_fmadd_ps(xs, weights[j], acc[j][m]);
+    }
+  }
+  float sums[PAIR][FMA_ROWS];  // every sum reduced at fixed indices first: a register array indexed by `rows` would live in memory
+  for (int64_t j = 0; j < PAIR; ++j)
+    for (int64_t m = 0; m < FMA_ROWS; ++m) sums[j][m] = sum8(acc[j][m]);
+  for (int64_t j = 0; j < PAIR; ++j) {
+    const float b = bias ? static_cast<float>(bias[n0 + j]) : 0.f;
+    for (int64_t m = 0; m < rows; ++m) out[m * n_out + n0 + j] = static_cast<weight_t>(sums[j][m] + b);
+  }
+}
+
+template <typename weight_t>
+void linear_rows_fma(const float* x, int64_t rows, int64_t k_channels, const std::vector<Piece<weight_t>>& pieces, int64_t n_out,
+                     const weight_t* bias, weight_t* out) {
+  stream_groups<FMA_GROUP>(pieces, k_channels, [&](const weight_t* group, int64_t count, int64_t column) {
+    for (int64_t m0 = 0; m0 < rows; m0 += FMA_ROWS) {
+      const int64_t m = std::min(FMA_ROWS, rows - m0);
+      const float* xs = x + m0 * k_channels;
+      weight_t* to = out + m0 * n_out;
+      if (count == 2) fma_pass<2>(xs, m, k_channels, group, column, bias, to, n_out);
+      else fma_pass<1>(xs, m, k_channels, group, column, bias, to, n_out);
+    }
+  });
+}
+#else
+constexpr bool HAS_FMA_SUMS = false;
+#endif
+
+// What linear_rows runs for a dtype on this CPU: the bfloat16 dots, the float32 FMA sums, or nothing.
+bool bf16_dots(at::ScalarType type) { return type == at::kBFloat16 && HAS_BF16_DOTS; }
+bool runs(at::ScalarType type) { return bf16_dots(type) || ((type == at::kFloat || type == at::kBFloat16) && HAS_FMA_SUMS); }
+
 }  // namespace
 
-bool linear_rows_available() { return HAS_BF16_DOTS; }
+bool linear_rows_bf16_dots() { return HAS_BF16_DOTS; }
+
+std::vector<std::string> linear_rows_dtypes() {
+  std::vector<std::string> names;
+  if (runs(at::kFloat)) names.push_back("float32");
+  if (runs(at::kBFloat16)) names.push_back("bfloat16");
+  return names;
+}
 
 at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(HAS_BF16_DOTS, "linear_rows: this CPU (or build) has no AVX512-BF16 instructions");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_rows: x, a bfloat16 CPU matrix [M, K]");
-  TORCH_CHECK(x.size(1) % 32 == 0, "linear_rows: K a multiple of 32");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "linear_rows: x, a float32 or bfloat16 CPU matrix [M, K]");
+  const at::ScalarType type = x.scalar_type();
+  TORCH_CHECK(runs(type), "linear_rows: this CPU (or build) has no kernel for ", type, " (AVX512-BF16, or AVX2 and FMA)");
+  const int64_t multiple = bf16_dots(type) ? 32 : 8;
+  TORCH_CHECK(x.size(1) % multiple == 0, "linear_rows: K a multiple of ", multiple);
   TORCH_CHECK(!weights.empty(), "linear_rows: at least one weight");
   int64_t n_out = 0;
   for (const at::Tensor& weight : weights) {
-    TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
+    TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == type &&
                     weight.size(1) == x.size(1) && weight.size(0) > 0,
-                "linear_rows: contiguous bfloat16 CPU weights [N, K], K as x's");
+                "linear_rows: contiguous CPU weights [N, K] of x's dtype, K as x's");
     n_out += weight.size(0);
   }
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
-                                    bias->size(0) == n_out),
-              "linear_rows: a contiguous bfloat16 bias [Σ N], or None");
-  at::Tensor rows = x;  // whole passes of ROWS rows: padded with zero rows where x is not
-  if (!x.is_contiguous() || x.size(0) % ROWS != 0) {
-    rows = at::zeros({(x.size(0) + ROWS - 1) / ROWS * ROWS, x.size(1)}, x.options());
-    rows.narrow(0, 0, x.size(0)).copy_(x);
-  }
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->is_contiguous() && bias->scalar_type() == type && bias->size(0) == n_out),
+              "linear_rows: a contiguous bias [Σ N] of x's dtype, or None");
   at::Tensor out = at::empty({x.size(0), n_out}, x.options());
 #if defined(__AVX512BF16__)
-  std::vector<Piece> pieces;
-  int64_t first = 0, first_pair = 0;
-  for (const at::Tensor& weight : weights) {
-    pieces.push_back({weight.data_ptr<at::BFloat16>(), first, weight.size(0), first_pair});
-    first += weight.size(0);
-    first_pair += (weight.size(0) + 1) / 2;
+  if (bf16_dots(type)) {
+    at::Tensor rows = x;  // whole passes of ROWS rows: padded with zero rows where x is not
+    if (!x.is_contiguous() || x.size(0) % ROWS != 0) {
+      rows = at::zeros({(x.size(0) + ROWS - 1) / ROWS * ROWS, x.size(1)}, x.options());
+      rows.narrow(0, 0, x.size(0)).copy_(x);
+    }
+    linear_rows_bf16(rows.data_ptr<at::BFloat16>(), x.size(0), rows.size(1), pieces_of<2, at::BFloat16>(weights), n_out,
+                     bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>());
+    return out;
   }
-  linear_rows_bf16(rows.data_ptr<at::BFloat16>(), x.size(0), rows.size(1), pieces, n_out,
-                   bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>());
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  at::Tensor rows = x;  // float32, whole passes of FMA_ROWS rows: a copy, padded with zero rows, where x is not
+  if (type != at::kFloat || !x.is_contiguous() || x.size(0) % FMA_ROWS != 0) {
+    rows = at::zeros({(x.size(0) + FMA_ROWS - 1) / FMA_ROWS * FMA_ROWS, x.size(1)}, x.options().dtype(at::kFloat));
+    rows.narrow(0, 0, x.size(0)).copy_(x);
+  }
+  AT_DISPATCH_SWITCH(type, "linear_rows", AT_DISPATCH_CASE(at::kFloat, [&] {
+                       linear_rows_fma<scalar_t>(rows.data_ptr<float>(), x.size(0), rows.size(1), pieces_of<FMA_GROUP, scalar_t>(weights), n_out,
+                                                 bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       linear_rows_fma<scalar_t>(rows.data_ptr<float>(), x.size(0), rows.size(1), pieces_of<FMA_GROUP, scalar_t>(weights), n_out,
+                                                 bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
+                     }));
 #endif
   return out;
 }

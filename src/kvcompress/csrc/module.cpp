@@ -9,8 +9,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_products_fast", &int8_products_fast, "Whether this CPU multiplies int8 matrices at speed (VNNI), for deltakv_decode");
   m.def("add_rms_norm", &add_rms_norm, "A residual sum and its RMSNorm in one pass (CPU)");
   m.def("rope", &rope, "Rotate-half RoPE over heads (CPU)");
-  m.def("linear_rows_available", &linear_rows_available, "Whether linear_rows runs on this CPU (AVX512-BF16)");
-  m.def("linear_rows", &linear_rows, "A bfloat16 linear product over a few rows, the weight streamed once (CPU)");
+  m.def("linear_rows_dtypes", &linear_rows_dtypes, "The dtypes linear_rows runs on this CPU: float32, bfloat16 (AVX2 and FMA, or AVX512-BF16)");
+  m.def("linear_rows_bf16_dots", &linear_rows_bf16_dots, "Whether linear_rows takes bfloat16 with AVX512-BF16's dot products");
+  m.def("linear_rows", &linear_rows, "A float32 or bfloat16 linear product over a few rows, the weight streamed once (CPU)");
   m.def("replay_chunk_available", &replay_chunk_available, "Whether replay_chunk runs on this CPU (AVX512-BF16)");
   m.def("replay_chunk", &replay_chunk, "KVzip's replay chunk over held and its own bfloat16 entries: output and each held entry's largest log-weight (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU of the gate times the up product (CPU)");

@@ -9,7 +9,7 @@
 // log-sum-exp. Out: the attention output [R, Hq, d] and the log partition function [R, Hq] (float32,
 // -inf where a head has no entry).
 //
-// Plain keys' logits are computed sixteen keys at a time where the CPU has AVX-512 (dots16); a bfloat16 query over
+// Plain keys' logits are computed sixteen keys at a time where the CPU has AVX-512 or AVX2 (dots16); a bfloat16 query over
 // bfloat16 keys, where it also has AVX512-BF16, takes them from the bfloat16 values with VDPBF16PS (dots16_bf16: each
 // product exact in float32), with no conversion of the keys per query.
 //
@@ -184,6 +184,44 @@ inline void dots16(const float* q, int64_t groups, const scalar_t* const* rows, 
       for (int e = 0; e < 16; ++e) acc[e] = _mm512_fmadd_ps(qc, load16(rows[e] + c), acc[e]);
     }
     _mm512_storeu_ps(logits + g * BLOCK, _mm512_add_ps(sums16(acc), offset));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool WIDE_DOTS = true;  // on AVX2: the sixteen keys as two passes of eight, summed across lanes together
+
+template <typename scalar_t>
+inline __m256 load8(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // bfloat16 is float32's top half
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// The horizontal sums of eight vectors as one vector (lane e: the sum of v[e]): three rounds of pairwise sums.
+inline __m256 sums8(const __m256* v) {
+  const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // v0..v3, per 128-bit half
+  const __m256 others = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads, others, 0x20), _mm256_permute2f128_ps(quads, others, 0x31));
+}
+
+// dots16 (below, for AVX-512) with eight-lane registers: each half of the sixteen keys in its own pass, eight independent
+// sums per query; d a multiple of 16.
+template <typename scalar_t>
+inline void dots16(const float* q, int64_t groups, const scalar_t* const* rows, int64_t d, const float* bias, float* logits) {
+  for (int64_t half = 0; half < 16; half += 8) {
+    const __m256 offset = _mm256_loadu_ps(bias + half);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc[8];
+      for (int e = 0; e < 8; ++e) acc[e] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + g * d + c);
+        for (int e = 0; e < 8; ++e) acc[e] = _mm256_fmadd_ps(qc, load8(rows[half + e] + c), acc[e]);
+      }
+      _mm256_storeu_ps(logits + g * BLOCK + half, _mm256_add_ps(sums8(acc), offset));
+    }
   }
 }
 #else

@@ -12,34 +12,48 @@ the copies cost one more set of the linear weights' bytes, reported by the engin
 ``F.linear`` only by the order of float32 sums (~1e-6 relative). The copies are made once: weights changed
 afterwards are not seen (the engine never changes them).
 
-In bfloat16, a product over a decoding step's few rows (at most ``ROWS_STREAMED``) runs the compiled ``linear_rows``
-(``csrc/linear_rows.cpp``) where the CPU has AVX512-BF16: it reads the layers' own weights (a stack's pieces in turn,
-no copy), prefetched far ahead, and is limited by the memory's read rate where oneDNN's products over the packed copy
-are not (a decoding step of the 135M model in bfloat16, 8 rows: 19.2 → 16.6 ms). Its float32 sums run in another
-order again.
+A product over a decoding step's few rows (at most ``ROWS_STREAMED`` of its dtype) runs the compiled ``linear_rows``
+(``csrc/linear_rows.cpp``) where the CPU runs it: it reads the layers' own weights (a stack's pieces in turn, no copy),
+prefetched far ahead, and is limited by the memory's read rate where oneDNN's products over the packed copy are not. In
+bfloat16 with AVX512-BF16 (a decoding step of the 135M model in bfloat16, 8 rows: 19.2 → 16.6 ms); in float32 with AVX2
+and FMA (on an AVX2-only Zen 3, a step's products over 8 rows: 43 → 34 ms, over 4 rows 35-40 → 25-32 ms,
+benchmarks/linears.py); in bfloat16 with AVX2 and FMA alone, each weight widened in registers. Its float32 sums run in
+another order again. Where oneDNN has no bfloat16 products (an AVX2-only CPU), bfloat16 layers are not copied: more rows
+than ``ROWS_STREAMED`` take a float32 product over their weights widened for the call (ATen's own bfloat16 product there
+is ~7× slower than float32's).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_kernels
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROWS_HINT = 8  # rows oneDNN lays the weight out for (any number of rows may use it)
-ROWS_STREAMED = 16  # up to this many rows a bfloat16 product runs ``linear_rows`` (beyond, oneDNN's is as fast or faster)
+# up to this many rows a product runs ``linear_rows`` (beyond, oneDNN's is as fast or faster): AVX512-BF16's bfloat16
+# dots, or AVX2's float32 multiply-adds (measured on a Zen 3: 20-30 % faster than oneDNN at 4-12 rows, level at 16)
+ROWS_STREAMED = {torch.bfloat16: 16, torch.float32: 12}
 
 
 def can_pack(module: nn.Module) -> bool:
-    """True for a plain ``nn.Linear`` on the CPU in float32 or bfloat16, where oneDNN's packed products are there: in
-    bfloat16 only on a CPU oneDNN runs them on (AVX512BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU such as AMD's Zen 3
-    has neither, and its bfloat16 layers keep their own products)."""
+    """True for a plain ``nn.Linear`` on the CPU in float32 or bfloat16 that the engine runs its own product for: over a
+    oneDNN-packed copy of the weight (float32; bfloat16 where oneDNN runs it), over the weight streamed
+    (``linear_rows``), or both."""
+    if not (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES):
+        return False
+    return packs(module.weight.dtype) or module.weight.dtype in streamed_dtypes()
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed products run for ``dtype`` here: float32 where PyTorch has oneDNN, bfloat16 only on a CPU
+    oneDNN runs it on (AVX512BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU such as AMD's Zen 3 has neither)."""
     mkldnn = torch.ops.mkldnn
-    return (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES
-            and torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise")
-            and (module.weight.dtype != torch.bfloat16 or packs_bfloat16()))
+    available = (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+                 and hasattr(mkldnn, "_linear_pointwise"))
+    return available and (dtype != torch.bfloat16 or packs_bfloat16())
 
 
 def packs_bfloat16() -> bool:
@@ -48,33 +62,56 @@ def packs_bfloat16() -> bool:
     return supported is not None and bool(supported())
 
 
+def streamed_dtypes() -> set[torch.dtype]:
+    """The dtypes whose few-row products run ``linear_rows`` here: where it was measured faster than oneDNN's packed
+    product (bfloat16 with AVX512-BF16's dots; float32 on an AVX2-only CPU), or oneDNN has none (bfloat16 on an
+    AVX2-only CPU). On an AVX-512 CPU without BF16 dots, float32 and bfloat16 keep oneDNN's products (there they ran at
+    20-35 GB/s; this kernel's AVX2 multiply-adds were not measured against them)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return set()
+    runs = {getattr(torch, name) for name in kernels.linear_rows_dtypes()}
+    chosen = set()
+    if torch.bfloat16 in runs and (kernels.linear_rows_bf16_dots() or not packs_bfloat16()):
+        chosen.add(torch.bfloat16)
+    if torch.float32 in runs and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        chosen.add(torch.float32)
+    return chosen
+
+
 class PackedLinear:
-    """``F.linear(x, W, bias)`` for ``W`` the ``weights`` [out_i, in] stacked (their outputs side by side), over a
-    oneDNN-packed copy of the stack (made once, here), or, in bfloat16 over at most ``ROWS_STREAMED`` rows, the
-    compiled ``linear_rows`` over the weights themselves where the CPU runs it."""
+    """``F.linear(x, W, bias)`` for ``W`` the ``weights`` [out_i, in] stacked (their outputs side by side): over at most
+    ``ROWS_STREAMED`` rows the compiled ``linear_rows`` over the weights themselves where the CPU runs it; otherwise over a
+    oneDNN-packed copy of the stack (made once, here: ``nbytes``), or, where oneDNN has none for the dtype (bfloat16 on
+    an AVX2-only CPU), a float32 product over the weights widened for the call."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None):
-        own = [weight.detach() for weight in weights]
-        with torch.no_grad():
-            stacked = own[0] if len(own) == 1 else torch.cat(own)
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ROWS_HINT)
+        self.own = [weight.detach() for weight in weights]
         self.bias = None if bias is None else bias.detach()
-        self.nbytes = stacked.numel() * stacked.element_size()
-        kernels = cpu_kernels() if stacked.dtype == torch.bfloat16 else None
-        streams = (kernels is not None and kernels.linear_rows_available() and stacked.shape[1] % 32 == 0
-                   and all(w.is_contiguous() for w in own))
-        self.rows, self.own = (kernels, own) if streams else (None, None)
+        dtype = self.own[0].dtype
+        self.weight, self.nbytes = None, 0
+        if packs(dtype):
+            with torch.no_grad():
+                stacked = self.own[0] if len(self.own) == 1 else torch.cat(self.own)
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ROWS_HINT)
+            self.nbytes = stacked.numel() * stacked.element_size()
+        streams = (dtype in streamed_dtypes() and self.own[0].shape[1] % 32 == 0 and all(w.is_contiguous() for w in self.own))
+        self.rows, self.rows_streamed = (cpu_kernels(), ROWS_STREAMED[dtype]) if streams else (None, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and x.dim() == 2 and x.shape[0] <= ROWS_STREAMED and x.dtype == torch.bfloat16:
+        if self.rows is not None and x.dim() == 2 and x.shape[0] <= self.rows_streamed and x.dtype == self.own[0].dtype:
             return self.rows.linear_rows(x, self.own, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        weight = torch.cat(self.own) if len(self.own) > 1 else self.own[0]  # widened (a copy) for the call
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), weight.float(), bias).to(x.dtype)
 
 
 class FusedLinear:
     """Linear layers that take the same input, as one product: their outputs side by side, one tensor [..., Σ out].
-    With ``pack`` (and ``can_pack`` for each) the product runs over a packed copy of their weights stacked
-    (``nbytes``); otherwise each layer runs its own forward and nothing is copied."""
+    With ``pack`` (and ``can_pack`` for each) the product is a ``PackedLinear`` over their weights (a packed copy of them
+    stacked: ``nbytes``, where oneDNN packs the dtype); otherwise each layer runs its own forward and nothing is copied."""
 
     def __init__(self, modules: list[nn.Linear], pack: bool):
         self.modules, self.packed = modules, None
@@ -91,7 +128,7 @@ class FusedLinear:
 
 
 def packed_or_own(module: nn.Linear, pack: bool) -> PackedLinear | nn.Linear:
-    """The layer's product over a packed copy of its weight where ``pack`` and ``can_pack``; else the layer itself."""
+    """The layer's ``PackedLinear`` where ``pack`` and ``can_pack``; else the layer itself."""
     return PackedLinear([module.weight], module.bias) if pack and can_pack(module) else module
 
 
@@ -100,4 +137,4 @@ def copy_bytes(product: PackedLinear | FusedLinear | nn.Module) -> int:
     return product.nbytes if isinstance(product, (PackedLinear, FusedLinear)) else 0
 
 
-__all__ = ["FusedLinear", "PackedLinear", "can_pack", "copy_bytes", "packed_or_own"]
+__all__ = ["FusedLinear", "PackedLinear", "can_pack", "copy_bytes", "packed_or_own", "packs", "packs_bfloat16", "streamed_dtypes"]

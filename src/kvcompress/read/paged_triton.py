@@ -9,7 +9,10 @@ fill the GPU (a few per multiprocessor) however few the rows; a launch shape (``
 GPU (shared memory, registers) falls back to smaller ones, remembered per kernel variant. Entries of the KIVI tier
 (``KIVI``: its tier, bits, block and channel group as constants) are unpacked and dequantised where they are loaded:
 key = zero + code · scale per channel (the block's; its codes laid out channel by channel across the block's
-entries), value the same per channel group (the entry's).
+entries), value the same per channel group (the entry's). Where a program's block of columns is one KIVI block long
+and names that block's entries in order (holes allowed, nothing else), as the engine codes a head's oldest entries,
+the block is read whole: its codes, zero points and scales as contiguous rows of bytes, the keys' logits taken on the
+integer codes, (q ⊙ s)·c + q·z; other blocks of columns are read entry by entry (gathered bytes).
 
 Precision: a float32 pool is read with float32 products throughout. A bfloat16 or float16 pool's products run on the
 GPU's matrix units in TF32, which holds every 16-bit entry exactly: only the scaled query and the softmax weights are
@@ -61,6 +64,59 @@ def _key_codes(codes, entry, block, mask, dims, DIM: tl.constexpr, BITS: tl.cons
     return (packed >> ((offset % per)[:, None] * BITS).to(tl.int32)) & ((1 << BITS) - 1)
 
 
+@triton.jit
+def _unpacked(packed, ROWS: tl.constexpr, BYTES: tl.constexpr, BITS: tl.constexpr):
+    """Bytes [ROWS, BYTES] → codes [ROWS, BYTES · 8 / BITS] (int32), each byte's first code in its lowest bits (``pack``)."""
+    per: tl.constexpr = 8 // BITS
+    shifts = tl.arange(0, per) * BITS
+    codes = (packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (ROWS, BYTES * per))
+
+
+@triton.jit
+def _gathered(q, keys, values, slot, plain, entry, block, coded, key_codes, key_zero, key_scale, value_codes, value_zero, value_scale,
+              dims, in_dim, DIM: tl.constexpr, KIVI_TIER: tl.constexpr, BITS: tl.constexpr, KIVI_GROUP: tl.constexpr,
+              CHANNEL_GROUP: tl.constexpr, PRECISION: tl.constexpr):
+    """Logits [GROUPS_PAD, BLOCK] and values [BLOCK, DIM_PAD] (float32, 0 where not seen) of entries anywhere: plain
+    ones' rows loaded from the pool, coded ones (where ``KIVI_TIER``) unpacked and dequantised element by element."""
+    where = slot.to(tl.int64)[:, None] * DIM + dims[None, :]
+    k = tl.load(keys + where, mask=plain[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+    v = tl.load(values + where, mask=plain[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+    if KIVI_TIER > 0:
+        mask = coded[:, None] & in_dim[None, :]
+        k += _dequantised(_key_codes(key_codes, entry, block, mask, dims, DIM, BITS, KIVI_GROUP), key_zero, key_scale, block, mask,
+                          dims, DIM, 1)
+        v += _dequantised(_value_codes(value_codes, entry, mask, dims, DIM, BITS), value_zero, value_scale, entry, mask, dims,
+                          DIM // CHANNEL_GROUP, CHANNEL_GROUP)
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION), v
+
+
+@triton.jit
+def _whole_block(q, block, key_codes, key_zero, key_scale, value_codes, value_zero, value_scale, dims, DIM: tl.constexpr,
+                 BITS: tl.constexpr, KIVI_GROUP: tl.constexpr, CHANNEL_GROUP: tl.constexpr, PRECISION: tl.constexpr):
+    """Logits [GROUPS_PAD, KIVI_GROUP] and values [KIVI_GROUP, DIM] (float32) of one KIVI block's entries in order,
+    its fields loaded whole (contiguous rows of bytes). The keys are never dequantised: with the block's zero points z
+    and scales s per channel, q·k̂ = (q ⊙ s)·c + q·z, the integer codes c exact in any product precision."""
+    per: tl.constexpr = 8 // BITS
+    key_bytes: tl.constexpr = KIVI_GROUP // per  # a channel's codes across the block
+    byte = tl.arange(0, key_bytes)
+    packed = tl.load(key_codes + block * (DIM * key_bytes) + dims[:, None] * key_bytes + byte[None, :])  # [DIM, key_bytes]
+    codes = _unpacked(packed, DIM, key_bytes, BITS).to(tl.float32)  # [DIM, KIVI_GROUP]: the keys' codes, transposed
+    z = tl.load(key_zero + block * DIM + dims).to(tl.float32)
+    s = tl.load(key_scale + block * DIM + dims).to(tl.float32)
+    logits = tl.dot(q * s[None, :], codes, input_precision=PRECISION) + tl.sum(q * z[None, :], 1)[:, None]
+    value_bytes: tl.constexpr = DIM // per
+    value_groups: tl.constexpr = DIM // CHANNEL_GROUP
+    offset = tl.arange(0, KIVI_GROUP)
+    entry = block * KIVI_GROUP + offset
+    packed = tl.load(value_codes + entry[:, None] * value_bytes + tl.arange(0, value_bytes)[None, :])  # [KIVI_GROUP, value_bytes]
+    codes = tl.reshape(_unpacked(packed, KIVI_GROUP, value_bytes, BITS), (KIVI_GROUP, value_groups, CHANNEL_GROUP))
+    where = entry[:, None] * value_groups + tl.arange(0, value_groups)[None, :]
+    z = tl.load(value_zero + where).to(tl.float32)[:, :, None]
+    s = tl.load(value_scale + where).to(tl.float32)[:, :, None]
+    return logits, tl.reshape(z + codes.to(tl.float32) * s, (KIVI_GROUP, DIM))
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Launch shape of the split kernel: entries per block, warps per program, software-pipelining stages, and the
@@ -76,6 +132,15 @@ class Tuning:
 # memory in the engine at 32k entries; blocks of 32 without pipelining read KIVI-coded entries 2.0–2.5× faster.
 TUNING = Tuning()
 KIVI_TUNING = Tuning(block=32, stages=1)
+
+
+def kivi_tuning(group_size: int) -> Tuning:
+    """The launch shape for a read that may meet KIVI-coded entries: ``KIVI_TUNING``, its blocks one KIVI block long
+    where that is 16 or 32 entries (a block of columns naming one KIVI block's entries is then read whole; the sizes
+    compiled and checked on a GPU)."""
+    return replace(KIVI_TUNING, block=group_size) if group_size in (16, 32) else KIVI_TUNING
+
+
 PROGRAMS_PER_SM = 4  # splits per (row, head) are chosen so that the split kernel launches about this many per multiprocessor
 
 
@@ -86,7 +151,7 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
                   HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr,
                   DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
                   KIVI_TIER: tl.constexpr, BITS: tl.constexpr, KIVI_GROUP: tl.constexpr, CHANNEL_GROUP: tl.constexpr,
-                  TIER_SHIFT: tl.constexpr, ENTRY_MASK: tl.constexpr):
+                  WHOLE_BLOCKS: tl.constexpr, TIER_SHIFT: tl.constexpr, ENTRY_MASK: tl.constexpr):
     row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths + row * HEADS + head)
     begin = split * split_len
@@ -106,21 +171,24 @@ def _split_kernel(query, keys, values, slots, lengths, weights, key_codes, key_z
         inside = column < end
         slot = tl.load(table + column, mask=inside, other=0)
         plain = inside & (slot != 0) & ((slot >> TIER_SHIFT) == 0) & (slot < num_slots)  # 0: padding or a hole
-        where = slot.to(tl.int64)[:, None] * DIM + dims[None, :]
-        k = tl.load(keys + where, mask=plain[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
-        v = tl.load(values + where, mask=plain[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
-        seen = plain
-        if KIVI_TIER > 0:
-            entry = (slot & ENTRY_MASK).to(tl.int64)
-            block = entry // KIVI_GROUP
-            coded = inside & ((slot >> TIER_SHIFT) == KIVI_TIER) & (block > 0) & (block < kivi_blocks)
-            mask = coded[:, None] & in_dim[None, :]
-            k += _dequantised(_key_codes(key_codes, entry, block, mask, dims, DIM, BITS, KIVI_GROUP), key_zero, key_scale,
-                              block, mask, dims, DIM, 1)
-            v += _dequantised(_value_codes(value_codes, entry, mask, dims, DIM, BITS), value_zero, value_scale, entry, mask, dims,
-                              DIM // CHANNEL_GROUP, CHANNEL_GROUP)
-            seen = plain | coded
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUPS_PAD, BLOCK]
+        entry = (slot & ENTRY_MASK).to(tl.int64)
+        block = entry // KIVI_GROUP
+        coded = inside & ((slot >> TIER_SHIFT) == KIVI_TIER) & (block > 0) & (block < kivi_blocks) & (KIVI_TIER > 0)
+        seen = plain | coded
+        if WHOLE_BLOCKS:  # the block's columns name one KIVI block's entries in order (holes allowed), and nothing else
+            first = entry - (column - start)
+            base = tl.max(tl.where(coded, first, -1), 0)
+            whole = (base > 0) & (base % KIVI_GROUP == 0) & (tl.min(tl.where(coded, first, base), 0) == base)
+            whole = whole & (tl.max(plain.to(tl.int32), 0) == 0)
+            if whole:
+                logits, v = _whole_block(q, base // KIVI_GROUP, key_codes, key_zero, key_scale, value_codes, value_zero, value_scale,
+                                         dims, DIM, BITS, KIVI_GROUP, CHANNEL_GROUP, PRECISION)
+            else:
+                logits, v = _gathered(q, keys, values, slot, plain, entry, block, coded, key_codes, key_zero, key_scale, value_codes,
+                                      value_zero, value_scale, dims, in_dim, DIM, KIVI_TIER, BITS, KIVI_GROUP, CHANNEL_GROUP, PRECISION)
+        else:
+            logits, v = _gathered(q, keys, values, slot, plain, entry, block, coded, key_codes, key_zero, key_scale, value_codes,
+                                  value_zero, value_scale, dims, in_dim, DIM, KIVI_TIER, BITS, KIVI_GROUP, CHANNEL_GROUP, PRECISION)
         if HAS_WEIGHTS:
             logits += tl.load(weights + row * table_row_stride + head * table_head_stride + column, mask=inside, other=0.0)[None, :]
         logits = tl.where(seen[None, :], logits, float("-inf"))
@@ -172,7 +240,7 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     """``paged.paged_decode``'s contract in Triton: (out [R, Hq, d] in the query's dtype, lse [R, Hq] float32).
     ``longest``: the longest head's length where the caller knows it (else read back from ``lengths``, which waits
     for the GPU); ``split``: entries per split (a multiple of ``tuning.block``), None to size splits to fill the GPU;
-    ``tuning``: the split kernel's launch shape (None: ``TUNING``, or ``KIVI_TUNING`` where coded entries may be read)."""
+    ``tuning``: the split kernel's launch shape (None: ``TUNING``, or ``kivi_tuning``'s where coded entries may be read)."""
     rows, hq, dim = query.shape
     heads = lengths.shape[1]
     groups = hq // heads
@@ -180,7 +248,7 @@ def paged_decode_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     if longest is None:
         longest = int(lengths.max()) if lengths.numel() else 0
     longest = max(1, longest)
-    tuning = tuning or (TUNING if kivi is None else KIVI_TUNING)
+    tuning = tuning or (TUNING if kivi is None else kivi_tuning(kivi.codec.block_size))
     slots = stacked(tables, longest, 0)
     weights = stacked_log_weights(tables, log_weights, longest)
     split = split or split_size(rows * heads, longest, multiprocessor_count(device), tuning)
@@ -218,8 +286,11 @@ def _launch_split(grid: tuple[int, int, int], arguments: tuple, constants: dict,
     key = (where, tuple(sorted(constants.items())), tuning)
     error = None
     for shape in [_FITTING[key]] if key in _FITTING else _smaller_shapes(tuning):
+        whole_blocks = (constants["KIVI_TIER"] > 0 and shape.block == constants["KIVI_GROUP"] in (16, 32)
+                        and constants["DIM"] == constants["DIM_PAD"])  # blocks of the sizes compiled and checked on a GPU
         try:
-            _split_kernel[grid](*arguments, **constants, BLOCK=shape.block, num_warps=shape.warps, num_stages=shape.stages)
+            _split_kernel[grid](*arguments, **constants, WHOLE_BLOCKS=whole_blocks, BLOCK=shape.block, num_warps=shape.warps,
+                                num_stages=shape.stages)
         except OutOfResources as exceeded:
             error = exceeded
             continue
@@ -256,4 +327,4 @@ def multiprocessor_count(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-__all__ = ["KIVI_TUNING", "TUNING", "Tuning", "multiprocessor_count", "paged_decode_triton", "split_size"]
+__all__ = ["KIVI_TUNING", "TUNING", "Tuning", "kivi_tuning", "multiprocessor_count", "paged_decode_triton", "split_size"]
