@@ -22,28 +22,18 @@
 namespace {
 
 // One head's row [d] turned by transformers' rotate-half RoPE, given its position's row of `rotary` (cosines [d/2], then
-// sines): to the position, out = x·cos + rotate_half(x)·sin; back from it, out = x·cos − rotate_half(x)·sin.
-inline void rotate_to(const float* x, const float* rotary_row, int64_t d, float* out) {
+// sines): to the position (BACK false), out = x·cos + rotate_half(x)·sin; back from it (BACK true), out = x·cos −
+// rotate_half(x)·sin, the same with the sines negated.
+template <bool BACK, typename scalar_t>
+inline void rotate(const scalar_t* x, const float* rotary_row, int64_t d, float* out) {
   const int64_t half = d / 2;
   const float* cosines = rotary_row;
   const float* sines = rotary_row + half;
 #pragma omp simd
   for (int64_t j = 0; j < half; ++j) {
-    out[j] = x[j] * cosines[j] - x[j + half] * sines[j];
-    out[j + half] = x[j + half] * cosines[j] + x[j] * sines[j];
-  }
-}
-
-template <typename scalar_t>
-inline void rotate_back(const scalar_t* x, const float* rotary_row, int64_t d, float* out) {
-  const int64_t half = d / 2;
-  const float* cosines = rotary_row;
-  const float* sines = rotary_row + half;
-#pragma omp simd
-  for (int64_t j = 0; j < half; ++j) {
-    const float first = to_float(x[j]), second = to_float(x[j + half]);
-    out[j] = first * cosines[j] + second * sines[j];
-    out[j + half] = second * cosines[j] - first * sines[j];
+    const float first = to_float(x[j]), second = to_float(x[j + half]), sine = BACK ? -sines[j] : sines[j];
+    out[j] = first * cosines[j] - second * sine;
+    out[j + half] = second * cosines[j] + first * sine;
   }
 }
 
@@ -74,7 +64,7 @@ void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* c
           const scalar_t* v = ref_values + (ref * heads + h) * head_dim;
           float* sk = sum + h * head_dim;
           float* sv = sum + (heads + h) * head_dim;
-          rotate_back(ref_keys + (ref * heads + h) * head_dim, rotary_row, head_dim, unrotated.data());
+          rotate<true>(ref_keys + (ref * heads + h) * head_dim, rotary_row, head_dim, unrotated.data());
           for (int64_t j = 0; j < head_dim; ++j) sk[j] += unrotated[j];
           for (int64_t j = 0; j < head_dim; ++j) sv[j] += to_float(v[j]);
         }
@@ -97,7 +87,7 @@ void finish(const int64_t* blocks, int64_t n, const float* decoded, const float*
       for (int64_t j = 0; j < width; ++j) x[j] = decoded[i * width + j] * s[j] + sums[i * width + j] / count;
       const float* rotary_row = rotary + static_cast<int64_t>(positions[b]) * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
-        rotate_to(x.data() + h * head_dim, rotary_row, head_dim, keys + (i * heads + h) * head_dim);
+        rotate<false>(x.data() + h * head_dim, rotary_row, head_dim, keys + (i * heads + h) * head_dim);
         std::copy(x.data() + (heads + h) * head_dim, x.data() + (heads + h + 1) * head_dim, values + (i * heads + h) * head_dim);
       }
     }
@@ -332,7 +322,7 @@ void coded_key(const Coded& c, int64_t i, int64_t h, int64_t d, int64_t heads, f
 #pragma omp simd
     for (int64_t j = 0; j < d; ++j) x[j] += u[j] * share;
   }
-  rotate_to(x, c.rotary + static_cast<int64_t>(c.positions[b]) * d, d, key);
+  rotate<false>(x, c.rotary + static_cast<int64_t>(c.positions[b]) * d, d, key);
 }
 
 // One chunk's sums: acc [G, d] (Σ p v over plain entries and, at the end, over references by their weights), zero_sums [G]
@@ -437,7 +427,7 @@ void unrotate_references(const std::vector<int64_t>& named, const scalar_t* ref_
     for (int64_t i = begin; i < end; ++i) {
       const float* rotary_row = rotary + static_cast<int64_t>(ref_positions[named[i]]) * d;
       for (int64_t h = 0; h < heads; ++h)
-        rotate_back(ref_keys + (named[i] * heads + h) * d, rotary_row, d, unrotated + (i * heads + h) * d);
+        rotate<true>(ref_keys + (named[i] * heads + h) * d, rotary_row, d, unrotated + (i * heads + h) * d);
     }
   });
 }

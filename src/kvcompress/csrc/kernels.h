@@ -10,6 +10,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #if defined(__F16C__)
@@ -32,6 +33,20 @@ inline float to_float(at::BFloat16 x) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+#if defined(__AVX2__) && defined(__F16C__)
+// Eight stored numbers as float32 lanes (exactly): bfloat16 by its bits shifted up (float32's top half), float16 by F16C.
+template <typename scalar_t>
+inline __m256 load8(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+#endif
 
 // q · k over d numbers, float32 sums (k stored in any of the three dtypes).
 template <typename scalar_t>

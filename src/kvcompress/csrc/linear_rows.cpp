@@ -109,16 +109,10 @@ void linear_rows_bf16(const at::BFloat16* x, int64_t rows, int64_t k_channels, c
 constexpr bool HAS_BF16_DOTS = false;
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool HAS_FMA_SUMS = true;
 constexpr int64_t FMA_ROWS = 4;   // rows of x per pass,
 constexpr int64_t FMA_GROUP = 2;  // against two weight rows: eight sums in registers
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is float32's top half
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
 
 inline float sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -156,16 +150,20 @@ inline void fma_pass(const float* x, int64_t rows, int64_t k_channels, const wei
   }
 }
 
+// x: float32 [rows (padded to whole passes), K]; the weights, bias and out in weight_t.
 template <typename weight_t>
-void linear_rows_fma(const float* x, int64_t rows, int64_t k_channels, const std::vector<Piece<weight_t>>& pieces, int64_t n_out,
-                     const weight_t* bias, weight_t* out) {
-  stream_groups<FMA_GROUP>(pieces, k_channels, [&](const weight_t* group, int64_t count, int64_t column) {
+void linear_rows_fma(const float* x, int64_t rows, const std::vector<at::Tensor>& weights, const std::optional<at::Tensor>& bias,
+                     at::Tensor& out) {
+  const int64_t k_channels = weights.front().size(1), n_out = out.size(1);
+  const weight_t* bias_data = bias.has_value() ? bias->data_ptr<weight_t>() : nullptr;
+  weight_t* to_out = out.data_ptr<weight_t>();
+  stream_groups<FMA_GROUP>(pieces_of<FMA_GROUP, weight_t>(weights), k_channels, [&](const weight_t* group, int64_t count, int64_t column) {
     for (int64_t m0 = 0; m0 < rows; m0 += FMA_ROWS) {
       const int64_t m = std::min(FMA_ROWS, rows - m0);
       const float* xs = x + m0 * k_channels;
-      weight_t* to = out + m0 * n_out;
-      if (count == 2) fma_pass<2>(xs, m, k_channels, group, column, bias, to, n_out);
-      else fma_pass<1>(xs, m, k_channels, group, column, bias, to, n_out);
+      weight_t* to = to_out + m0 * n_out;
+      if (count == 2) fma_pass<2>(xs, m, k_channels, group, column, bias_data, to, n_out);
+      else fma_pass<1>(xs, m, k_channels, group, column, bias_data, to, n_out);
     }
   });
 }
@@ -218,19 +216,14 @@ at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     return out;
   }
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   at::Tensor rows = x;  // float32, whole passes of FMA_ROWS rows: a copy, padded with zero rows, where x is not
   if (type != at::kFloat || !x.is_contiguous() || x.size(0) % FMA_ROWS != 0) {
     rows = at::zeros({(x.size(0) + FMA_ROWS - 1) / FMA_ROWS * FMA_ROWS, x.size(1)}, x.options().dtype(at::kFloat));
     rows.narrow(0, 0, x.size(0)).copy_(x);
   }
-  AT_DISPATCH_SWITCH(type, "linear_rows", AT_DISPATCH_CASE(at::kFloat, [&] {
-                       linear_rows_fma<scalar_t>(rows.data_ptr<float>(), x.size(0), rows.size(1), pieces_of<FMA_GROUP, scalar_t>(weights), n_out,
-                                                 bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       linear_rows_fma<scalar_t>(rows.data_ptr<float>(), x.size(0), rows.size(1), pieces_of<FMA_GROUP, scalar_t>(weights), n_out,
-                                                 bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
-                     }));
+  if (type == at::kFloat) linear_rows_fma<float>(rows.data_ptr<float>(), x.size(0), weights, bias, out);
+  else linear_rows_fma<at::BFloat16>(rows.data_ptr<float>(), x.size(0), weights, bias, out);
 #endif
   return out;
 }

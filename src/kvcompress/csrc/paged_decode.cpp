@@ -189,17 +189,6 @@ inline void dots16(const float* q, int64_t groups, const scalar_t* const* rows, 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool WIDE_DOTS = true;  // on AVX2: the sixteen keys as two passes of eight, summed across lanes together
 
-template <typename scalar_t>
-inline __m256 load8(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return _mm256_loadu_ps(p);
-  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // bfloat16 is float32's top half
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  } else {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-}
-
 // The horizontal sums of eight vectors as one vector (lane e: the sum of v[e]): three rounds of pairwise sums.
 inline __m256 sums8(const __m256* v) {
   const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // v0..v3, per 128-bit half
