@@ -8,7 +8,8 @@ PyTorch path beside its caller, the reference it is tested against and what runs
 * ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``), and read in place by a decoding read
   (``read/paged.py``);
 * ``decoder_ops.cpp``: the engine decoder's norms, RoPE and SiLU, one pass each (``engine/decoder.py``);
-* ``linear_rows.cpp``: a float32 or bfloat16 linear product over a decoding step's few rows (``engine/packed.py``).
+* ``linear_rows.cpp``: a float32 or bfloat16 linear product over a decoding step's few rows (``engine/packed.py``);
+* ``decode_layer.cpp``: a decoding step's whole decoder layer in one call, of the functions above (``engine/decoder.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp",
-                                                              "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp")]
+                                                              "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp",
+                                                              "decode_layer.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _built: object | None = None
 _failed: str | None = None

@@ -395,12 +395,19 @@ class Session:
             self.table.written(self.pool, self.rows(layer_idx))
         self.code_due(layer_idx)
 
+    def work_after_write(self, layer_idx: int) -> bool:
+        """Whether ``written`` has work in this decoding step's layer (page bounds to follow, or entries due for coding):
+        where it has none, a reader may skip the call."""
+        return bool(self.table.page_size) or self._coding_due(layer_idx)
+
     def code_due(self, layer_idx: int) -> None:
         """Code a layer's oldest plain entries (coded storage) once a chunk's worth has come since the last time."""
-        layer = self.layers[layer_idx]
-        if self.code_tier and layer.uncoded >= self.pool.tiers[self.code_tier - 1].codec.chunk:
+        if self._coding_due(layer_idx):
             self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(layer_idx), layer=layer_idx)
-            layer.uncoded = 0
+            self.layers[layer_idx].uncoded = 0
+
+    def _coding_due(self, layer_idx: int) -> bool:
+        return bool(self.code_tier) and self.layers[layer_idx].uncoded >= self.pool.tiers[self.code_tier - 1].codec.chunk
 
     def wants_col_sums(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:
         """Whether the method needs this step's per-entry column sums from the read."""

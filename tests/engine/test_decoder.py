@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common import tiny_model
 from kvcompress.kernels import cpu_kernels
-from kvcompress.engine.decoder import Decoder, _norm, _Rotary
+from kvcompress.engine.decoder import Decoder, _Norm, _Rotary
 from kvcompress.engine.packed import FusedLinear, can_pack
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -84,7 +84,7 @@ def test_fused_products_split_into_each_layers_output_and_count_their_copy():
 @given(kind=st.sampled_from(["llama", "qwen3"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), tokens=st.integers(1, 40),
        start=st.integers(0, 400), seed=st.integers(0, 2**16))
 def test_the_rotary_and_the_norms_are_transformers_bit_for_bit(kind, dtype, tokens, start, seed):
-    """``_Rotary`` (a roll and a signed sine; the compiled ``rope`` too) and ``_norm`` (``F.rms_norm``) compute
+    """``_Rotary`` (a roll and a signed sine; the compiled ``rope`` too) and ``_Norm`` (``F.rms_norm``) compute
     transformers' numbers exactly."""
     model = tiny_model(kind, layers=1, seed=seed % 5).to(dtype)
     stack, attention = model.model, model.model.layers[0].self_attn
@@ -100,9 +100,9 @@ def test_the_rotary_and_the_norms_are_transformers_bit_for_bit(kind, dtype, toke
     norms = [model.model.layers[0].input_layernorm, stack.norm] + ([attention.q_norm] if kind == "qwen3" else [])
     for module in norms:
         x = hidden if module.weight.shape[0] == 64 else q
-        s, normed = _norm(module)(x)
+        s, normed = _Norm(module)(x)
         assert s is x and torch.equal(normed, module(x))
-        s, normed = _norm(module)(x, -x)
+        s, normed = _Norm(module)(x, -x)
         assert torch.equal(s, x - x) and torch.equal(normed, module(x - x))
 
 
@@ -123,10 +123,10 @@ def test_the_compiled_norm_and_silu_are_their_pytorch_forms_to_the_last_place(dt
     kernels, gen = cpu_kernels(), torch.Generator().manual_seed(seed)
     hidden, delta = ((torch.randn(tokens, width, generator=gen) * scale).to(dtype) for _ in range(2))
     weight = (torch.rand(width, generator=gen) + 0.5).to(dtype)
-    module = type("RMSNorm", (torch.nn.Module,), {})()  # the plain form, as ``_norm`` builds it without kernels
+    module = type("RMSNorm", (torch.nn.Module,), {})()  # the plain form, as ``_Norm`` builds it without kernels
     module.weight, module.variance_epsilon = weight, 1e-6
     s, normed = kernels.add_rms_norm(hidden, delta if adds else None, weight, 1e-6)
-    expected_s, expected = _norm(module)(hidden, delta if adds else None)
+    expected_s, expected = _Norm(module)(hidden, delta if adds else None)
     assert torch.equal(s, expected_s)
     gate_up = (torch.randn(tokens, 2 * width, generator=gen) * 4 * scale).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -162,12 +162,12 @@ def test_the_decoder_with_its_compiled_ops_gives_its_pytorch_forms_logits():
         plain = Decoder(model, pack=False, compiled=False)(ids, torch.arange(9), causal_attend, torch.arange(9))
         tolerance = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(compiled.float(), plain.float(), atol=tolerance * float(plain.abs().max()), rtol=tolerance)
-    norm = _norm(model.model.norm, cpu_kernels())
+    norm = _Norm(model.model.norm, cpu_kernels())
     x = torch.randn(3, 64)  # float32 rows, a bfloat16 weight: PyTorch's promotion, as the module computes
     assert torch.equal(norm(x)[1], model.model.norm(x))
 
 
 def test_a_norm_that_is_not_transformers_rmsnorm_runs_its_own_forward():
     layer_norm, x, delta = torch.nn.LayerNorm(8), torch.randn(3, 8), torch.randn(3, 8)
-    s, normed = _norm(layer_norm, cpu_kernels())(x, delta)
+    s, normed = _Norm(layer_norm, cpu_kernels())(x, delta)
     assert torch.equal(s, x + delta) and torch.equal(normed, layer_norm(x + delta))

@@ -170,3 +170,6 @@ std::vector<std::string> linear_rows_dtypes();
 bool linear_rows_bf16_dots();
 
 at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::optional<at::Tensor>& bias);
+
+// The DecodeLayer class (decode_layer.cpp), bound into the module.
+void bind_decode_layer(pybind11::module_& m);

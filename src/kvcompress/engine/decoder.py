@@ -11,7 +11,9 @@ products as one product and the gate and up products as another (their weights s
 copies. On the CPU the residual sums and norms, RoPE and SiLU·up run as one compiled pass each
 (``csrc/decoder_ops.cpp``: about 2-6 µs where their ATen operations take 8-15 µs), rounding where PyTorch rounds.
 Results then differ from transformers' only by the order of float32 sums inside those products and norms, and by
-SiLU's exp in the last bit.
+SiLU's exp in the last bit. In a decoding step whose layers read their entries in place, a layer whose every part runs
+compiled runs as one call of those same functions (``_Layer.compiled``, ``csrc/decode_layer.cpp``): the same numbers
+without the interpreter between them.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from torch import nn
 
 from ..kernels import cpu_kernels
 from ..models import decoder_stack, model_facts
-from .packed import FusedLinear, copy_bytes, packed_or_own
+from .packed import FusedLinear, PackedLinear, copy_bytes, packed_or_own
 
 # (layer, queries [T, Hq, d], keys [T, H, d], values [T, H, d] after RoPE, positions [T], attention inputs [T, D],
 # scaling) → attention output [T, Hq, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# layer → the decoding rows' new entries' slots [R, H], the pool's keys and values [S, d], then the compiled read's tables,
+# lengths, log-weights, tier shift, KIVI spec and arrays (``read.paged.compiled_arguments``); None: attend instead
+InPlace = Callable[[int], "tuple | None"]
 
 
 class _Rotary:
@@ -50,31 +55,27 @@ class _Rotary:
         return x * self.cos + x.roll(self.half, dims=-1) * self.sin
 
 
-AddNorm = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
-
-
-def _norm(module: nn.Module, kernels=None) -> AddNorm:
+class _Norm:
     """The layer's norm after a residual sum: (x, delta) → (s, norm(s)) with s = x + delta (x where delta is None).
     transformers' Llama-family RMSNorm (float32 mean of squares, ``rsqrt``, the weight times the result in the input's
     dtype) runs as ``F.rms_norm`` in float32 then the weight, the same numbers in three operations instead of eight
     (tested against the module), or, on the CPU with the compiled ``kernels``, the sum and the norm in one pass of
-    ``add_rms_norm`` (the mean's float32 sum in another order: the last bit may differ). Another norm runs its own forward."""
-    if not (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")):
-        def own(x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-            s = x if delta is None else x + delta
-            return s, module(s)
+    ``add_rms_norm`` (``compiled``; the mean's float32 sum in another order: the last bit may differ). Another norm runs
+    its own forward (``weight`` None)."""
 
-        return own
-    weight, eps = module.weight, module.variance_epsilon
-    compiled = kernels if weight.device.type == "cpu" else None
+    def __init__(self, module: nn.Module, kernels=None):
+        self.module = module
+        rms = type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+        self.weight, self.eps = (module.weight, module.variance_epsilon) if rms else (None, None)
+        self.compiled = kernels if rms and module.weight.device.type == "cpu" else None
 
-    def norm(x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if compiled is not None and x.dtype == weight.dtype:
-            return tuple(compiled.add_rms_norm(x, delta, weight, eps))
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compiled is not None and x.dtype == self.weight.dtype:
+            return tuple(self.compiled.add_rms_norm(x, delta, self.weight, self.eps))
         s = x if delta is None else x + delta
-        return s, weight * F.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype)
-
-    return norm
+        if self.weight is None:
+            return s, self.module(s)
+        return s, self.weight * F.rms_norm(s.float(), (s.shape[-1],), eps=self.eps).to(s.dtype)
 
 
 def _gated(mlp: nn.Module, kernels=None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -96,16 +97,30 @@ class _Layer:
 
     def __init__(self, layer: nn.Module, head_dim: int, pack: bool, kernels=None):
         attention, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_norm = _norm(layer.input_layernorm, kernels), _norm(layer.post_attention_layernorm, kernels)
+        self.input_norm, self.post_norm = _Norm(layer.input_layernorm, kernels), _Norm(layer.post_attention_layernorm, kernels)
         self.qkv = FusedLinear([attention.q_proj, attention.k_proj, attention.v_proj], pack)
         self.heads = attention.q_proj.out_features // head_dim, attention.k_proj.out_features // head_dim
         self.q_norm = self.k_norm = None
         if getattr(attention, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
-            self.q_norm, self.k_norm = _norm(attention.q_norm, kernels), _norm(attention.k_norm, kernels)
+            self.q_norm, self.k_norm = _Norm(attention.q_norm, kernels), _Norm(attention.k_norm, kernels)
         self.o_proj, self.scaling, self.head_dim = packed_or_own(attention.o_proj, pack), attention.scaling, head_dim
         self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack)
         self.down_proj, self.gated = packed_or_own(mlp.down_proj, pack), _gated(mlp, kernels)
         self.nbytes = sum(copy_bytes(p) for p in (self.qkv, self.o_proj, self.gate_up, self.down_proj))
+        self.compiled, self.compiled_rows, self.compiled_dtype = self._compiled(kernels)
+
+    def _compiled(self, kernels) -> tuple[object | None, int, torch.dtype | None]:
+        """The layer as one compiled call for a decoding step (``csrc/decode_layer.cpp``), the rows it takes at most and
+        their dtype, where every part of the layer runs compiled here: RMSNorms, SiLU and RoPE on the CPU, and its four
+        products streamed by ``linear_rows``; else (None, 0, None)."""
+        products = [self.qkv.packed, self.o_proj, self.gate_up.packed, self.down_proj]
+        norms = [self.input_norm, self.post_norm] + ([] if self.q_norm is None else [self.q_norm, self.k_norm])
+        if (kernels is None or self.gated is not kernels.silu_mul or not all(n.compiled is not None for n in norms)
+                or not all(isinstance(p, PackedLinear) and p.rows is not None for p in products)):
+            return None, 0, None
+        layer = kernels.DecodeLayer([n.weight for n in norms], [float(n.eps) for n in norms], [p.own for p in products],
+                                    [p.bias for p in products], *self.heads, self.head_dim)
+        return layer, min(p.rows_streamed for p in products), products[0].own[0].dtype
 
     def __call__(self, index: int, hidden: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rotary: _Rotary,
                  attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,20 +150,28 @@ class Decoder:
     def __init__(self, model: nn.Module, pack: bool, compiled: bool = True):
         stack, facts = decoder_stack(model), model_facts(model)
         self.kernels = cpu_kernels() if compiled else None
-        self.embed, self.rotary, self.norm = stack.embed_tokens, stack.rotary_emb, _norm(stack.norm, self.kernels)
+        self.embed, self.rotary, self.norm = stack.embed_tokens, stack.rotary_emb, _Norm(stack.norm, self.kernels)
         self.lm_head = packed_or_own(model.lm_head, pack)
         self.layers = [_Layer(layer, facts.head_dim, pack, self.kernels) for layer in stack.layers]
         self.nbytes = copy_bytes(self.lm_head) + sum(layer.nbytes for layer in self.layers)
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: torch.Tensor,
+                 in_place: InPlace | None = None) -> torch.Tensor:
         """Tokens ``ids`` [T] at ``positions`` [T], each layer's attention by ``attend`` → the logits [K, V] of the
-        tokens at ``keep`` [K]."""
+        tokens at ``keep`` [K]. ``in_place``: where every token decodes one row and reads its entries in place, each
+        layer's write and read as the compiled layer takes them (or None for a layer whose read needs more): such a
+        layer runs as one compiled call (``_Layer.compiled``), the same numbers as ``attend``'s."""
         hidden, delta = self.embed(ids), None
         rotary = _Rotary(self.rotary, hidden, positions, self.kernels)
         for index, layer in enumerate(self.layers):
-            hidden, delta = layer(index, hidden, delta, positions, rotary, attend)
+            compiles = in_place is not None and layer.compiled is not None and hidden.shape[0] <= layer.compiled_rows
+            read = in_place(index) if compiles and hidden.dtype == layer.compiled_dtype else None
+            if read is not None:
+                hidden, delta = layer.compiled(hidden, delta, rotary.cos, rotary.sin, layer.scaling, *read)
+            else:
+                hidden, delta = layer(index, hidden, delta, positions, rotary, attend)
         return self.lm_head(self.norm(hidden[keep], delta[keep])[1])
 
 
-__all__ = ["Attend", "Decoder"]
+__all__ = ["Attend", "Decoder", "InPlace"]

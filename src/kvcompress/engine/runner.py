@@ -11,7 +11,9 @@ layer); each prompt piece is prefilled into its request's session (a first piece
 the prompt, a later one attends the prompt so far), and the session compresses the layer when its
 prompt's last piece is in. Requests keep their own positions, methods and budgets. A method that
 needs its whole prompt in one forward (a replay of it, KVzip; statistics of its attention inputs,
-GVote) is prefilled alone (``prefill``).
+GVote) is prefilled alone (``prefill``). In a step of decoding rows alone on the CPU, ``_Step.in_place`` hands each
+layer's write and read to the decoder's compiled layer instead (one C++ call a layer, the same numbers), where no
+method acts in the layer and nothing has to happen between its write and its read.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 from ..hf.cache import CompressedCache, hidden_statistics
 from ..hf.replay import run_replay
 from ..read import read
+from ..read.paged import compiled_arguments
 from ..session import Session
 from ..store.slots import SlotPool, SlotTable
+from ..store.view import DeltaKVBlocks
 from .decoder import Decoder
 from .request import Request
 
@@ -52,6 +56,8 @@ class _Step:
         self.tables = [s.table for s in sessions]
         fixed = sessions and not self.acting and not self.following  # no table changes but the writes begin_step recorded
         self.lengths = SlotTable.step_lengths(self.tables) if fixed else None  # every layer's lengths, read once
+        # a step of decoding rows alone, no method acting in its layers: ``in_place`` for the compiled layers
+        self.reads_in_place = bool(sessions) and not self.acting and not pieces and slots.device.type == "cpu"
 
     def attend(self, layer_idx: int, query, key, value, positions, hidden, scaling: float) -> torch.Tensor:
         """Queries [T, Hq, d] and new keys/values [T, H, d] at ``positions`` [T] (attention inputs ``hidden``
@@ -109,6 +115,24 @@ class _Step:
             step_hidden = hidden[r : r + 1] if session.observe.hidden_states else None
             session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
         return result.out
+
+    def in_place(self, layer_idx: int) -> tuple | None:
+        """One layer's write and read of the decoding rows as the compiled layer takes them (``decoder.InPlace``): the new
+        entries' slots, the pool's keys and values, then the compiled read's arguments; None where the step needs more
+        than the compiled layer does (work between the layer's write and its read: page bounds, entries due for coding; a
+        summary to merge; entries only another read covers: DeltaKV's), and ``attend`` runs instead."""
+        sessions = self.sessions
+        if any(s.work_after_write(layer_idx) for s in self.following) or any(s.layers[layer_idx].summary is not None for s in sessions):
+            return None
+        lengths = None if self.lengths is None else self.lengths[layer_idx]
+        pages = SlotTable.joint_pages(self.runner.pool, self.tables, layer_idx, lengths)
+        if pages is None:
+            return None
+        keys, values, coded = pages.arrays()
+        if isinstance(coded, DeltaKVBlocks):
+            return None
+        return self.slots[layer_idx], keys, values, *compiled_arguments(pages.tables, pages.lengths, pages.log_weights, coded,
+                                                                         keys.shape[-1])
 
     def joint_select(self, layer_idx: int, query, positions, length: int) -> torch.Tensor | None:
         """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows
@@ -203,7 +227,8 @@ class ModelRunner:
         slots = torch.stack([s.begin_step(p) for s, p in zip(sessions, positions)], dim=1) if sessions else None  # [L, R, H]
         step = _Step(self, sessions, slots, pieces)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self.decoder(as_tensor(ids), as_tensor(positions), step.attend, as_tensor(keep))
+        logits = self.decoder(as_tensor(ids), as_tensor(positions), step.attend, as_tensor(keep),
+                              step.in_place if step.reads_in_place else None)
         finals = iter(logits[len(requests):])
         return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
 

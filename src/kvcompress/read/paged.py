@@ -61,11 +61,18 @@ def paged_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     kernel = cpu_kernels() if query.device.type == "cpu" else None
     if kernel is None:
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, coded, scores)
-    weights = _kernel_log_weights(log_weights, len(tables))
-    spec = [] if coded is None else [coded.tier, coded.codec.bits, coded.codec.block_size, coded.codec.channel_group(query.shape[-1])]
+    return kernel.paged_decode(query, scaling, keys, values, *compiled_arguments(tables, lengths, log_weights, coded, query.shape[-1]),
+                               NOTHING if scores is None else scores)
+
+
+def compiled_arguments(tables: list[torch.Tensor], lengths: torch.Tensor, log_weights: list[torch.Tensor | None] | None,
+                       coded: KiviBlocks | None, head_dim: int) -> tuple:
+    """The compiled CPU read's arguments after the keys and values, as ``csrc/paged_decode.cpp`` takes them: the tables,
+    the lengths (int64, contiguous), each row's log-weights (empty for none), the tier shift and the KIVI tier's spec and
+    arrays (both empty without one)."""
+    spec = [] if coded is None else [coded.tier, coded.codec.bits, coded.codec.block_size, coded.codec.channel_group(head_dim)]
     arrays = [] if coded is None else [coded.arrays[name] for name in KIVI_FIELDS]
-    return kernel.paged_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT, spec,
-                               arrays, NOTHING if scores is None else scores)
+    return tables, lengths.to(torch.long).contiguous(), _kernel_log_weights(log_weights, len(tables)), TIER_SHIFT, spec, arrays
 
 
 def _kernel_log_weights(log_weights: list[torch.Tensor | None] | None, rows: int) -> list[torch.Tensor]:

@@ -493,6 +493,13 @@ class SlotTable:
         return pages
 
     @staticmethod
+    def joint_pages(pool: SlotPool, tables: list[SlotTable], row: int, lengths: torch.Tensor | None = None) -> Pages | None:
+        """Row ``row`` of each table where its entries live (what ``joint_view(...).pages`` makes, without the view); None
+        where they cannot all be read in place. ``lengths``: as ``joint_view`` takes them."""
+        views = [table.row_views(row) for table in tables]
+        return SlotTable._pages(pool, views, torch.stack([v[0] for v in views]) if lengths is None else lengths)()
+
+    @staticmethod
     def step_lengths(tables: list[SlotTable]) -> tuple[torch.Tensor, ...]:
         """Every row's lengths of tables with the same rows, side by side: per row r, [len(tables), H] (what
         ``joint_view`` takes for one layer of a decoding step whose tables do not change, read at once)."""

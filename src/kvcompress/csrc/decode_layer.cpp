@@ -1,0 +1,89 @@
+// A decoding step's layer in one call: the engine decoder's layer (engine/decoder.py's `_Layer`) over rows that each decode
+// one token and read their entries where they live, with no Python between its operations (at a step's few rows the
+// interpreter's work around a layer's dozen operations costs about a third of the step on a 2-core CPU).
+//
+//   DecodeLayer(norms, eps, products, biases, query_heads, kv_heads, head_dim): the layer's RMSNorm weights [D] with their
+//     epsilons (input, post-attention, then the query and key head norms where the model has them, Qwen3) and its four
+//     products' weights, each a list of pieces [N_i, K] side by side as linear_rows takes them (query-key-value, output,
+//     gate-up, down), each with its bias or None.
+//   layer(hidden [R, D], delta [R, D] or None, cos, sin [R, 1, d] (decoder.py's `_Rotary`), scaling, slots [R · H] (where each
+//     row's new keys and values go, row-major), keys, values [S, d] (the pool's plain arrays), then paged_decode's tables,
+//     lengths, log-weights, tier shift, KIVI spec and arrays) → (the residual stream with delta and the attention added,
+//     the MLP's output to add next): as `_Layer.__call__` with the runner's decoding read, each operation the same
+//     compiled function the Python path calls, in the same order, so the two agree bit for bit.
+#include "kernels.h"
+
+namespace {
+
+struct Norm {
+  at::Tensor weight;
+  double eps;
+  std::vector<at::Tensor> operator()(const at::Tensor& x, const std::optional<at::Tensor>& delta) const {
+    return add_rms_norm(x, delta, weight, eps);
+  }
+};
+
+struct Product {
+  std::vector<at::Tensor> weights;
+  std::optional<at::Tensor> bias;
+  at::Tensor operator()(const at::Tensor& x) const { return linear_rows(x, weights, bias); }
+};
+
+}  // namespace
+
+class DecodeLayer {
+ public:
+  DecodeLayer(const std::vector<at::Tensor>& norms, const std::vector<double>& eps, const std::vector<std::vector<at::Tensor>>& products,
+              const std::vector<std::optional<at::Tensor>>& biases, int64_t query_heads, int64_t kv_heads, int64_t head_dim)
+      : query_heads_(query_heads), kv_heads_(kv_heads), head_dim_(head_dim) {
+    TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && eps.size() == norms.size(),
+                "DecodeLayer: the input and post-attention norms (and the query and key head norms), each with its epsilon");
+    TORCH_CHECK(products.size() == 4 && biases.size() == 4, "DecodeLayer: four products (query-key-value, output, gate-up, down) and their biases");
+    TORCH_CHECK(query_heads > 0 && kv_heads > 0 && query_heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
+                "DecodeLayer: query heads a multiple of the KV heads, an even head size");
+    for (size_t i = 0; i < norms.size(); ++i) norms_.push_back({norms[i], eps[i]});
+    for (size_t i = 0; i < products.size(); ++i) products_.push_back({products[i], biases[i]});
+  }
+
+  std::vector<at::Tensor> operator()(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& cos,
+                                     const at::Tensor& sin, double scaling, const at::Tensor& slots, at::Tensor keys, at::Tensor values,
+                                     const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
+                                     const std::vector<at::Tensor>& log_weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
+                                     const std::vector<at::Tensor>& kivi_arrays) const {
+    TORCH_CHECK(hidden.dim() == 2, "DecodeLayer: hidden [R, D], one decoding token per row");
+    const int64_t rows = hidden.size(0), queries = query_heads_, heads = kv_heads_, d = head_dim_;
+    TORCH_CHECK(slots.numel() == rows * heads, "DecodeLayer: a slot per row and KV head");
+    const auto [stream, inputs] = unpack2(norms_[0](hidden, delta));
+    const at::Tensor projected = products_[0](inputs).view({rows, queries + 2 * heads, d});
+    at::Tensor query, key;
+    if (norms_.size() == 2) {  // the queries and keys rotated as one
+      const at::Tensor rotated = rope(projected.narrow(1, 0, queries + heads), cos, sin);
+      query = rotated.narrow(1, 0, queries), key = rotated.narrow(1, queries, heads);
+    } else {  // Qwen3: per-head norms before RoPE
+      query = rope(norms_[2](projected.narrow(1, 0, queries), std::nullopt)[1], cos, sin);
+      key = rope(norms_[3](projected.narrow(1, queries, heads), std::nullopt)[1], cos, sin);
+    }
+    const at::Tensor value = projected.narrow(1, queries + heads, heads);
+    const at::Tensor index = slots.reshape(-1).to(at::kLong);  // SlotPool.write: the entries in the pool's dtype, in place
+    keys.index_copy_(0, index, key.reshape({-1, d}).to(keys.scalar_type()));
+    values.index_copy_(0, index, value.reshape({-1, d}).to(values.scalar_type()));
+    const at::Tensor out = paged_decode(query, scaling, keys, values, tables, lengths, log_weights, tier_shift, kivi_spec, kivi_arrays,
+                                        at::Tensor())[0];
+    const auto [summed, normed] = unpack2(norms_[1](stream, products_[1](out.reshape({rows, -1}))));
+    return {summed, products_[3](silu_mul(products_[2](normed)))};
+  }
+
+ private:
+  static std::pair<at::Tensor, at::Tensor> unpack2(const std::vector<at::Tensor>& pair) { return {pair[0], pair[1]}; }
+
+  std::vector<Norm> norms_;
+  std::vector<Product> products_;
+  int64_t query_heads_, kv_heads_, head_dim_;
+};
+
+void bind_decode_layer(pybind11::module_& m) {
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer", "A decoding step's whole decoder layer in one call (CPU)")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<double>&, const std::vector<std::vector<at::Tensor>>&,
+                          const std::vector<std::optional<at::Tensor>>&, int64_t, int64_t, int64_t>())
+      .def("__call__", &DecodeLayer::operator());
+}

@@ -1,0 +1,110 @@
+"""A decoding step's layers as one compiled call each (``csrc/decode_layer.cpp``, ``_Layer.compiled``): the same logits as
+the Python layers bit for bit (the call runs the same compiled functions in the same order), for Llama, Qwen2's biases
+and Qwen3's head norms, plain and KIVI-coded entries; layers it cannot take (a method acting in every layer, DeltaKV's
+entries, entries due for coding between the layer's write and its read, prompt pieces) run in Python."""
+
+import pytest
+import torch
+
+from common import tiny_codec, tiny_model
+from conftest import tiny_tokenizer
+import kvcompress as kvc
+import kvcompress.engine.packed as packed
+from kvcompress.engine import SamplingParams
+from kvcompress.kernels import cpu_kernels
+
+RUNS = [] if cpu_kernels() is None else [getattr(torch, name) for name in cpu_kernels().linear_rows_dtypes()]
+pytestmark = pytest.mark.skipif(not RUNS, reason="the compiled layer needs the CPU kernels and linear_rows (AVX2 and FMA)")
+
+
+@pytest.fixture
+def streamed(monkeypatch):
+    """Every dtype linear_rows runs here streamed (this CPU may pick oneDNN's products for float32 otherwise)."""
+    monkeypatch.setattr(packed, "streamed_dtypes", lambda: set(RUNS))
+
+
+class Counted:
+    """A compiled layer that counts its calls."""
+
+    def __init__(self, layer):
+        self.layer, self.calls = layer, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.layer(*args)
+
+
+def decoding_logits(llm, prompts, method, compiled: bool, new: int = 6) -> tuple[list[torch.Tensor], int]:
+    """Every decoding-only step's logits of one run (the layers compiled or not) and the compiled layers' calls."""
+    recorded, real = [], llm.runner.step
+
+    def step(requests, pieces):
+        logits, finals = real(requests, pieces)
+        if requests and not pieces:
+            recorded.append(logits.clone())
+        return logits, finals
+
+    layers = llm.runner.decoder.layers
+    saved = [layer.compiled for layer in layers]
+    for layer in layers:
+        layer.compiled = Counted(layer.compiled) if compiled else None
+    llm.runner.step = step
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True), method=method)
+    finally:
+        del llm.runner.step
+        calls = sum(layer.compiled.calls for layer in layers) if compiled else 0
+        for layer, kept in zip(layers, saved):
+            layer.compiled = kept
+    return recorded, calls
+
+
+def engine(kind: str, dtype: torch.dtype, seed: int = 0):
+    model = tiny_model(kind, layers=2, seed=seed).to(dtype)
+    return kvc.LLM(model_and_tokenizer=(model, tiny_tokenizer()), kv_memory="4MiB", max_num_seqs=8)
+
+
+def prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", RUNS or [torch.float32])
+@pytest.mark.parametrize("method", [None, "snapkv:budget=24:window=4", "kivi:bits=2:group_size=16:residual=8",
+                                    "snapkv:budget=32:window=4+kivi:bits=4:group_size=16:residual=8"])
+def test_a_compiled_decoding_layer_gives_the_python_layers_logits_bit_for_bit(streamed, kind, dtype, method):
+    llm = engine(kind, dtype)
+    assert all(layer.compiled is not None for layer in llm.runner.decoder.layers)
+    batch = prompts([40, 57, 33], seed=len(kind))
+    compiled, calls = decoding_logits(llm, batch, method, compiled=True, new=20)
+    python, _ = decoding_logits(llm, batch, method, compiled=False, new=20)
+    assert len(compiled) == len(python) >= 18
+    if method is None or "kivi" not in method:
+        assert calls == 2 * len(compiled)  # both layers of every decoding step
+    else:  # a layer whose entries are due for coding between its write and its read runs in Python
+        assert len(compiled) <= calls < 2 * len(compiled)
+    for got, expected in zip(compiled, python):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("method", ["h2o:budget=24", "deltakv:recent=8:chunk=8"])
+def test_steps_the_compiled_layer_cannot_take_run_the_python_layers(streamed, method):
+    """H2O acts in every layer of a decoding step (column sums); DeltaKV's entries are read by their own kernel."""
+    model = tiny_model("llama", layers=2, seed=4)
+    if method.startswith("deltakv"):
+        method += f':checkpoint="{tiny_codec(model)}"'
+    llm = kvc.LLM(model_and_tokenizer=(model, tiny_tokenizer()), kv_memory="4MiB", max_num_seqs=8)
+    logits, calls = decoding_logits(llm, prompts([40, 50], seed=4), kvc.get_method(method), compiled=True)
+    assert len(logits) >= 4 and calls == 0
+
+
+def test_the_compiled_layer_refuses_what_it_cannot_take():
+    layer_class = cpu_kernels().DecodeLayer
+    norm, weight = torch.ones(64), [torch.randn(64, 64)]
+    with pytest.raises(RuntimeError, match="norms"):
+        layer_class([norm], [1e-6], [weight] * 4, [None] * 4, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="four products"):
+        layer_class([norm, norm], [1e-6, 1e-6], [weight] * 3, [None] * 3, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        layer_class([norm, norm], [1e-6, 1e-6], [weight] * 4, [None] * 4, 3, 2, 16)
