@@ -61,7 +61,7 @@ def decoding_logits(llm, prompts, method, compiled: bool, new: int = 6) -> tuple
 
 def engine(kind: str, dtype: torch.dtype, seed: int = 0):
     model = tiny_model(kind, layers=2, seed=seed).to(dtype)
-    return kvc.LLM(model_and_tokenizer=(model, tiny_tokenizer()), kv_memory="4MiB", max_num_seqs=8)
+    return kvc.LLM(model_and_tokenizer=(model, tiny_tokenizer()), kv_memory="4MiB", max_num_seqs=32)
 
 
 def prompts(lengths, seed=0):
@@ -94,9 +94,18 @@ def test_steps_the_compiled_layer_cannot_take_run_the_python_layers(streamed, me
     model = tiny_model("llama", layers=2, seed=4)
     if method.startswith("deltakv"):
         method += f':checkpoint="{tiny_codec(model)}"'
-    llm = kvc.LLM(model_and_tokenizer=(model, tiny_tokenizer()), kv_memory="4MiB", max_num_seqs=8)
+    llm = kvc.LLM(model_and_tokenizer=(model, tiny_tokenizer()), kv_memory="4MiB", max_num_seqs=32)
     logits, calls = decoding_logits(llm, prompts([40, 50], seed=4), kvc.get_method(method), compiled=True)
     assert len(logits) >= 4 and calls == 0
+
+
+def test_more_rows_than_linear_rows_streams_run_the_python_layers(streamed):
+    """Past ``ROWS_STREAMED`` rows the products are oneDNN's (or a widened product), which the compiled layer does not
+    call: such steps run in Python, with the same logits as before."""
+    llm = engine("llama", RUNS[0], seed=5)
+    limit = llm.runner.decoder.layers[0].compiled_rows
+    logits, calls = decoding_logits(llm, prompts([20] * (limit + 2), seed=5), None, compiled=True)
+    assert len(logits) >= 4 and all(x.shape[0] == limit + 2 for x in logits) and calls == 0
 
 
 def test_the_compiled_layer_refuses_what_it_cannot_take():
