@@ -496,8 +496,14 @@ class SlotTable:
     def joint_pages(pool: SlotPool, tables: list[SlotTable], row: int, lengths: torch.Tensor | None = None) -> Pages | None:
         """Row ``row`` of each table where its entries live (what ``joint_view(...).pages`` makes, without the view); None
         where they cannot all be read in place. ``lengths``: as ``joint_view`` takes them."""
+        return SlotTable._pages(pool, *SlotTable._joint_rows(tables, row, lengths))()
+
+    @staticmethod
+    def _joint_rows(tables: list[SlotTable], row: int, lengths: torch.Tensor | None) -> tuple[list, torch.Tensor]:
+        """Row ``row``'s ``row_views`` of each table, and their heads' lengths [len(tables), H] (``lengths`` where the
+        caller read them already)."""
         views = [table.row_views(row) for table in tables]
-        return SlotTable._pages(pool, views, torch.stack([v[0] for v in views]) if lengths is None else lengths)()
+        return views, torch.stack([v[0] for v in views]) if lengths is None else lengths
 
     @staticmethod
     def step_lengths(tables: list[SlotTable]) -> tuple[torch.Tensor, ...]:
@@ -511,9 +517,7 @@ class SlotTable:
         heads padded to the longest of all; log-weights where a table has them (0 elsewhere); ``summaries[i]``
         applies to table i's row. ``lengths``: the rows' [len(tables), H], where the caller read them already
         (``step_lengths``)."""
-        views = [table.row_views(row) for table in tables]
-        if lengths is None:
-            lengths = torch.stack([v[0] for v in views])
+        views, lengths = SlotTable._joint_rows(tables, row, lengths)
         sizes = lengths.view(-1).tolist()  # every head's length, read once
         longest = max(sizes, default=0)
         heads = lengths.shape[1]
