@@ -112,6 +112,18 @@ def test_paged_decode_equals_the_reference_read(rows, heads, groups, dim, data, 
                              coded_rate, bits, group_size, coded_layout)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("group_size,dim", [(32, 64), (16, 128), (8, 64), (32, 80)])
+@pytest.mark.parametrize("coded_layout", CODED_LAYOUTS)
+def test_every_way_the_cpu_read_takes_kivi_values_equals_the_reference(bits, group_size, dim, coded_layout):
+    """The CPU read multiplies coded values' codes as it unpacks them where a value group spans a multiple of 16
+    channels (group sizes 16 and 32 over d = 64 or 128), decodes each value first where it does not (group size 8), and
+    reads entry by entry where d is no multiple of 64 (80: one group of 80 channels); runs of a block's entries in order
+    take their logits at once. Each equals the reference, with holes, log-weights and GQA groups of 3."""
+    _check_against_reference((paged_decode,), 2, 2, 3, dim, None, 0.3, True, torch.float32, group_size + bits, 0.5, bits, group_size,
+                             coded_layout, lengths=[1100, 65, 513, 64])
+
+
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # on a GPU, 16-bit pools meet the matrix units in TF32: the scaled query and the softmax weights rounded to a 10-bit mantissa
 TRITON_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 2e-3} if TRITON_DEVICE == "cuda" else TOLERANCE
@@ -200,12 +212,13 @@ def test_splits_cover_each_head_in_blocks_and_fill_the_gpu_without_flooding_it(p
 
 
 def _check_against_reference(reads, rows, heads, groups, dim, data, hole_rate, weighted, dtype, seed, coded_rate, bits, group_size,
-                             coded_layout="anywhere", device="cpu", tolerance=None, longer=False):
+                             coded_layout="anywhere", device="cpu", tolerance=None, longer=False, lengths=None):
     """``longer``: also read with the longest head given as longer than it is (more, empty splits), which must
-    change nothing."""
+    change nothing. ``data`` None: ``lengths`` given and a float32 query."""
     tolerance = tolerance or TOLERANCE[dtype]
-    lengths = data.draw(st.lists(st.sampled_from([0, 1, 5, 63, 64, 65, 511, 513, 1100]), min_size=rows * heads, max_size=rows * heads))
-    query_dtype = data.draw(st.sampled_from([torch.float32, dtype]))  # the engine's query comes in the pool's dtype
+    if data is not None:
+        lengths = data.draw(st.lists(st.sampled_from([0, 1, 5, 63, 64, 65, 511, 513, 1100]), min_size=rows * heads, max_size=rows * heads))
+    query_dtype = data.draw(st.sampled_from([torch.float32, dtype])) if data is not None else torch.float32  # the engine's: the pool's
     query, keys, values, tables, lengths, log_weights, view, kivi = _case(seed, rows, heads, groups, dim, lengths, hole_rate, weighted,
                                                                           dtype, coded_rate, bits, group_size, query_dtype, coded_layout)
     rounding = torch.finfo(query_dtype).eps if query_dtype != torch.float32 else 0.0  # the output comes back in the query's dtype
