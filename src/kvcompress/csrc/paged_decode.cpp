@@ -106,8 +106,9 @@ inline void unpack(const Kivi& kivi, const uint8_t* packed, float* codes, int64_
 // its tier) and the G queries of a group, without decoding the value rows: v_k[c] = z_kj + c_kc · s_kj (j = c's value
 // group), so the sum is Σ_k p_k z_kj, added once per value group, plus Σ_k (p_k s_kj) · c_kc, each code multiplied as it is
 // unpacked in registers, sixteen channels at a time and four queries' sums held in registers (the channel group a multiple
-// of 16). `work` holds count · value_groups · 7 floats. On a Zen 3 this is about twice as fast as decoding each row
-// and accumulating it (the decoded rows' store and reload, and a 64-channel tile's sums spilling out of AVX2's registers).
+// of 16). `work` holds count · value_groups · 7 floats. It spares decoding each row into a buffer and adding 64-channel
+// tiles whose sums spill out of AVX2's sixteen registers (with the runs of logits in attend_chunk, a 2-bit read of an 8k
+// layer on a Zen 3 took 0.72× its time: docs/results.md).
 template <int BITS>
 void accumulate_coded_values(const Kivi& kivi, float* acc, const float* probs, int64_t groups, const int64_t* entries, const int64_t* index,
                              int64_t count, int64_t d, float* work) {
@@ -532,7 +533,7 @@ void attend_chunk(const float* q, const at::BFloat16* q_bf16, float scaling, int
       l[g] = l[g] * rescale + total;
       m[g] = top;
     }
-    if (d % 64 == 0) {  // the values in register tiles: plain rows where they live, coded ones decoded first
+    if (d % 64 == 0) {  // the values in register tiles: plain rows where they live, coded ones on their codes (or decoded first)
       const scalar_t* plain_rows[BLOCK];
       const float* coded_rows[BLOCK];
       int64_t plain_index[BLOCK], coded_index[BLOCK], coded_entries[BLOCK], plain = 0, coded = 0;
