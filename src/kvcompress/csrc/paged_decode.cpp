@@ -409,7 +409,8 @@ inline Kind classify(int64_t id, int64_t num_slots, const Kivi& kivi, int64_t& w
     return PLAIN;
   }
   const int64_t e = id & kivi.mask;
-  if (tier != 0 && tier == kivi.tier && kivi.block_of(e) > 0 && kivi.block_of(e) < kivi.blocks) {
+  const int64_t block = kivi.block_of(e);
+  if (tier != 0 && tier == kivi.tier && block > 0 && block < kivi.blocks) {
     where = e;
     return CODED;
   }
