@@ -409,8 +409,7 @@ inline Kind classify(int64_t id, int64_t num_slots, const Kivi& kivi, int64_t& w
     return PLAIN;
   }
   const int64_t e = id & kivi.mask;
-  const int64_t block = kivi.block_of(e);
-  if (tier != 0 && tier == kivi.tier && block > 0 && block < kivi.blocks) {
+  if (tier != 0 && tier == kivi.tier && kivi.block_of(e) > 0 && kivi.block_of(e) < kivi.blocks) {  // the block once the tier matches (no tier: group 0)
     where = e;
     return CODED;
   }
