@@ -3,7 +3,6 @@ stored exactly, coded tokens equal to a float32 re-computation of x̂ = f_d(z) +
 step, save → load exact, and no slot or reference leaked under random coding, forks and releases."""
 
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from common import tiny_model
 from kvcompress.store.deltakv import (DeltaKVCodec, DeltaKVWeights, columns_in_8_bits, nearest_references, reference_mask, rope,
                                       split_vectors, token_vectors)
 from kvcompress.read import read, read_reference
-from kvcompress.read import paged as paged_read
 from kvcompress.read.paged import paged_decode, paged_decode_torch
 from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
 from kvcompress.store.view import DeltaKVBlocks
@@ -311,12 +309,6 @@ def _coded_rows(rows: int, n: int, recent: int, dtype: torch.dtype, seed: int, s
     return pool, table, gen
 
 
-def _integer_keys():
-    """The compiled read's integer key product taken on any CPU (it runs it only where the CPU has VNNI, but its result is
-    the same everywhere)."""
-    return mock.patch.object(paged_read, "_int8_products", lambda kernel: True)
-
-
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 3), n=st.integers(12, 90), recent=st.integers(0, 8), groups=st.sampled_from([1, 3]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), chosen=st.integers(1, 120), weighted=st.booleans(), stored=st.booleans(),
@@ -334,8 +326,7 @@ def test_the_in_place_read_of_deltakv_equals_its_pytorch_path(rows, n, recent, g
     query = torch.randn(rows, H * groups, D, generator=gen).to(dtype)
     log_weights = [torch.randn(H, chosen, generator=gen) for _ in range(rows)] if weighted else None
     got_scores, want_scores = torch.zeros(rows, H * groups, chosen + 2), torch.zeros(rows, H * groups, chosen + 2)
-    with _integer_keys():
-        out, lse = paged_decode(query, keys, values, pages.tables, pages.lengths, log_weights, 0.3, blocks, got_scores)
+    out, lse = paged_decode(query, keys, values, pages.tables, pages.lengths, log_weights, 0.3, blocks, got_scores)
     want, want_lse = paged_decode_torch(query, keys, values, pages.tables, pages.lengths, log_weights, 0.3, blocks, want_scores)
     # float32: sums in another order (the references' values weighed once each), errors scaled by the largest output;
     # bfloat16: the output's own rounding
@@ -352,11 +343,52 @@ def test_an_in_place_read_of_heads_longer_than_a_chunk_equals_the_reference(stor
     keys, values, blocks = table.view(pool).pages.arrays()
     pages = table.view(pool).pages
     query = torch.randn(2, 3 * H, D, generator=gen) * 3
-    with _integer_keys():
-        out, lse = paged_decode(query, keys, values, pages.tables, pages.lengths, None, 0.3, blocks)
+    out, lse = paged_decode(query, keys, values, pages.tables, pages.lengths, None, 0.3, blocks)
     want, want_lse = paged_decode_torch(query, keys, values, pages.tables, pages.lengths, None, 0.3, blocks)
     # float32 sums over 1100 entries in another order, of outputs up to ~17: a few units in the last place of the largest
     assert torch.allclose(out, want, atol=2e-4, rtol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, head_dim, code_width", [(3, 64, 192), (2, 72, 40), (2, 20, 12), (1, 96, 36)])
+@pytest.mark.parametrize("extreme", [False, True])
+def test_the_integer_key_product_at_model_shapes_equals_the_pytorch_read(heads, head_dim, code_width, extreme):
+    """The compiled read's key product (4-bit codes against the decoder's key columns in 8 bits, ``key_product`` in
+    csrc/deltakv_rebuild.cpp) against the PyTorch read: at SmolLM2's shape (3 KV heads of 64, d_c 192) and at shapes that take
+    the 32-column path, the 8-column path, the scalar tail and a last run of fewer than eight quads of 16-bit sums.
+    ``extreme``: every code 15 and every key weight ±127, the largest sums the 16-bit stage must hold."""
+    gen = torch.Generator().manual_seed(head_dim + code_width)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    weights = DeltaKVWeights(2, heads, head_dim, inv_freq, hidden=0, code_width=code_width)
+    with torch.no_grad():
+        weights.decoder.normal_(0, 0.3, generator=gen)
+        weights.scale.uniform_(0.5, 2.0, generator=gen)
+        weights.w_linear.normal_(0, 0.3, generator=gen)
+        if extreme:  # each key column ±0.05: its 8-bit codes ±127
+            signs = torch.randint(0, 2, (2, code_width, heads * head_dim), generator=gen).float() * 2 - 1
+            weights.decoder[:, :, : heads * head_dim] = 0.05 * signs
+        codes, step = columns_in_8_bits(weights.decoder)
+        weights.decoder.copy_(codes.float() * step)
+    codec = DeltaKVCodec(weights, bits=4)
+    assert codec.stored_keys() is not None
+    n = 300
+    pool, table = SlotPool(head_dim), SlotTable(1, heads)
+    tier = pool.tier(codec)
+    table.append(pool, torch.randn(1, heads, n, head_dim, generator=gen), torch.randn(1, heads, n, head_dim, generator=gen),
+                 torch.arange(n)[None])
+    table.code(pool, tier, 4, slice(0, 1), layer=1)
+    if extreme:
+        pool.tiers[tier - 1].arrays["code"].fill_(255)
+        pool.tiers[tier - 1].arrays["code_scale"].fill_(0.01)
+    pages = table.view(pool).pages
+    keys, values, blocks = pages.arrays()
+    query = torch.randn(1, 2 * heads, head_dim, generator=gen)
+    got_scores, want_scores = torch.zeros(1, 2 * heads, n), torch.zeros(1, 2 * heads, n)
+    out, lse = paged_decode(query, keys, values, pages.tables, pages.lengths, None, 0.05, blocks, got_scores)
+    want, want_lse = paged_decode_torch(query, keys, values, pages.tables, pages.lengths, None, 0.05, blocks, want_scores)
+    scale = max(1.0, float(want_scores.abs().max()))
+    assert torch.allclose(got_scores, want_scores, atol=1e-5 * scale, rtol=1e-5)
+    assert torch.allclose(lse, want_lse, atol=1e-5 * scale, rtol=1e-5)
+    assert torch.allclose(out, want, atol=1e-4 * max(1.0, float(want.abs().max())), rtol=1e-4)
 
 
 def test_a_decoding_read_of_deltakv_entries_in_place_equals_the_reference():

@@ -15,6 +15,9 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -216,12 +219,14 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
 // `deltakv_decode`: read/paged.py's `paged_decode` contract over slot tables that name plain slots, DeltaKV's reference tier
 // and its code tier (read/paged.py's `DeltaKVBlocks`), its PyTorch path (`paged_decode_torch`, every coded entry rebuilt by
 // `decode_torch`) the reference. No coded entry's keys or values are written out whole:
-//   1. the coded tokens the tables name, each once, and the references they name: each token's 4-bit code as integers c
-//      (z = zero + step · c), each reference's keys rotated back to no position (U_r), and the key half of the decoder's
-//      product z · W_K for every named token at once (in exact integers where the decoder is as a checkpoint stores it:
-//      z · W = steps ⊙ (zero · Σ_c codes + step · (c · codes)));
-//   2. per (row, KV head, chunk of DECODE_CHUNK entries), a softmax in float32. A coded entry's key is made where its logit
-//      is taken: RoPE_t(part ⊙ s_K + Σ_r U_r / k). Its value never is: values carry no RoPE, so
+//   1. the coded tokens the tables name, each once, and the references they name: each reference's keys rotated back to
+//      no position (U_r); where the decoder is not as a checkpoint stores it, each token's code z = zero + step · c in
+//      floats and the key half of the product z · W_K for every named token at once (float32);
+//   2. per (row, KV head, chunk of its entries: DecodeTasks), a softmax in float32. A coded entry's key is made where its logit
+//      is taken: RoPE_t(part ⊙ s_K + Σ_r U_r / k), its head's part of z · W_K taken there in exact integers where the
+//      decoder is as a checkpoint stores it (int8 columns W = steps ⊙ codes): z · W = steps ⊙ (zero · Σ_c codes +
+//      step · (c · codes)), c · codes over its 4-bit c in AVX2's byte products (`key_product`). Its value never is: values
+//      carry no RoPE, so
 //        Σ p_i v̂_i = ((Σ p_i z_i) · W_V) ⊙ s_V + Σ_r (Σ_{i names r} p_i / k) v_r,
 //      the chunk keeping Σ p z as Σ p·zero and Σ (p·step) c, and each reference's weight (a reference read as an entry
 //      adds its p there too), its value read once per chunk. The merge projects Σ p z by the head's value columns once
@@ -279,17 +284,17 @@ struct SparseSet {
 };
 
 // Phase 1's view of the named tokens, for phase 2: token i (the index the tables' coded entries map to) is block
-// blocks[i]; its integer code small[i] [d_c]; the key half of its product part [H·d] is
-//   stored: steps ⊙ (zero_b · key_sums + step_b · ints[i])   else: floats[i];
+// blocks[i], its 4-bit code packed[blocks[i] · d_c / 2 ..]; the key half of its product part [H·d] is
+//   stored: steps ⊙ (zero_b · key_sums + step_b · (c · quads))   else: floats[i];
 // its k references are the named references token_refs[i · k ..], each's keys rotated back at unrotated[r] [H·d] and its
 // reference-tier row at references[r].
 struct Coded {
   const int64_t* blocks;
-  const int8_t* small;
+  const uint8_t* packed;
   int64_t code_width;
   const at::Half* zeros;
   const at::Half* steps_of_token;
-  const int32_t* ints;
+  const int8_t* quads;  // the layer's key columns in 8 bits, four code channels together: [d_c / 4, H·d, 4]
   const float* floats;
   const float* column_steps;
   const float* column_sums;
@@ -302,26 +307,110 @@ struct Coded {
   const float* rotary;
 };
 
-// Coded token i's key of head h [d]: RoPE at its position of (part ⊙ s_K + Σ_r U_r / k).
-void coded_key(const Coded& c, int64_t i, int64_t h, int64_t d, int64_t heads, float* x, float* key) {
+// A token's 4-bit code [d_c / 2 bytes, the first of each pair in the low bits] as one byte per channel [d_c].
+inline void unpack_nibbles(const uint8_t* packed, int64_t code_bytes, uint8_t* codes) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m128i low = _mm_set1_epi8(15);
+  for (; j + 16 <= code_bytes; j += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j));
+    const __m128i first = _mm_and_si128(bytes, low), second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * j), _mm_unpacklo_epi8(first, second));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * j + 16), _mm_unpackhi_epi8(first, second));
+  }
+#endif
+  for (; j < code_bytes; ++j) {
+    codes[2 * j] = packed[j] & 15;
+    codes[2 * j + 1] = packed[j] >> 4;
+  }
+}
+
+// c · W for one head: Σ_c codes[c] · W[c, first + j] [d] int32, exact, of codes [d_c] (each 0-15) and the layer's int8 columns
+// in quads [d_c / 4, columns, 4] (W[4q + i, j] at (q · columns + j) · 4 + i). With AVX2, eight columns a register: four
+// codes broadcast against each column's four weights in one byte product (`maddubs`: a pair's products summed in 16 bits,
+// |sum| ≤ 2 · 15 · 128), eight quads' pairs summed in 16 bits (≤ 30720: never saturated), then into 32 bits.
+inline void key_product(const uint8_t* codes, int64_t code_width, const int8_t* quads, int64_t columns, int64_t first, int64_t d,
+                        int32_t* out) {
+  const int64_t quad_count = code_width / 4;
+  int64_t j = 0;
+#if defined(__AVX2__)
+  constexpr int64_t QUADS_IN_16_BITS = 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const auto four_codes = [&](int64_t q) {
+    int32_t four;
+    std::memcpy(&four, codes + 4 * q, 4);
+    return _mm256_set1_epi32(four);
+  };
+  for (; j + 32 <= d; j += 32) {  // four registers of sums held across the code channels
+    __m256i acc[4];
+    for (int b = 0; b < 4; ++b) acc[b] = _mm256_setzero_si256();
+    for (int64_t q0 = 0; q0 < quad_count; q0 += QUADS_IN_16_BITS) {
+      __m256i pairs[4];
+      for (int b = 0; b < 4; ++b) pairs[b] = _mm256_setzero_si256();
+      for (int64_t q = q0; q < std::min(quad_count, q0 + QUADS_IN_16_BITS); ++q) {
+        const __m256i a = four_codes(q);
+        const int8_t* row = quads + (q * columns + first + j) * 4;
+        for (int b = 0; b < 4; ++b)
+          pairs[b] = _mm256_add_epi16(pairs[b], _mm256_maddubs_epi16(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b))));
+      }
+      for (int b = 0; b < 4; ++b) acc[b] = _mm256_add_epi32(acc[b], _mm256_madd_epi16(pairs[b], ones));
+    }
+    for (int b = 0; b < 4; ++b) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j + 8 * b), acc[b]);
+  }
+  for (; j + 8 <= d; j += 8) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t q0 = 0; q0 < quad_count; q0 += QUADS_IN_16_BITS) {
+      __m256i pairs = _mm256_setzero_si256();
+      for (int64_t q = q0; q < std::min(quad_count, q0 + QUADS_IN_16_BITS); ++q)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(four_codes(q), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                                                   quads + (q * columns + first + j) * 4))));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), acc);
+  }
+#endif
+  for (; j < d; ++j) {
+    int32_t sum = 0;
+    for (int64_t c = 0; c < code_width; ++c) sum += static_cast<int32_t>(codes[c]) * quads[((c / 4) * columns + first + j) * 4 + c % 4];
+    out[j] = sum;
+  }
+}
+
+constexpr int64_t MAX_TOP_K = 16;  // references a coded token may average (the codecs trained: 4)
+
+// Coded token i's key of head h [d]: RoPE at its position of (part ⊙ s_K + Σ_r U_r / k). `codes` [d_c] and `product` [d]:
+// scratch.
+void coded_key(const Coded& c, int64_t i, int64_t h, int64_t d, int64_t heads, uint8_t* codes, int32_t* product, float* x,
+               float* key) {
   const int64_t b = c.blocks[i], columns = heads * d, first = h * d;
-  if (c.ints != nullptr) {
+  const float* scale = c.key_scale + first;
+  if (c.quads != nullptr) {
     const float zero = to_float(c.zeros[b]), step = to_float(c.steps_of_token[b]);
-    const int32_t* product = c.ints + i * columns + first;
+    const float* steps = c.column_steps + first;
+    const float* sums = c.column_sums + first;
+    unpack_nibbles(c.packed + b * (c.code_width / 2), c.code_width / 2, codes);
+    key_product(codes, c.code_width, c.quads, columns, first, d, product);
 #pragma omp simd
-    for (int64_t j = 0; j < d; ++j)
-      x[j] = c.column_steps[first + j] * (zero * c.column_sums[first + j] + step * static_cast<float>(product[j])) * c.key_scale[first + j];
+    for (int64_t j = 0; j < d; ++j) x[j] = steps[j] * (zero * sums[j] + step * static_cast<float>(product[j])) * scale[j];
   } else {
-    const float* product = c.floats + i * columns + first;
+    const float* part = c.floats + i * columns + first;
 #pragma omp simd
-    for (int64_t j = 0; j < d; ++j) x[j] = product[j] * c.key_scale[first + j];
+    for (int64_t j = 0; j < d; ++j) x[j] = part[j] * scale[j];
   }
+  const float* u[MAX_TOP_K];  // its references' keys rotated back, this head's
+  for (int64_t r = 0; r < c.top_k; ++r) u[r] = c.unrotated + c.token_refs[i * c.top_k + r] * columns + first;
   const float share = 1.f / static_cast<float>(c.top_k);
-  for (int64_t r = 0; r < c.top_k; ++r) {
-    const float* u = c.unrotated + c.token_refs[i * c.top_k + r] * columns + first;
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) x[j] += u[j] * share;
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 share8 = _mm256_set1_ps(share);
+  for (; j + 8 <= d; j += 8) {  // + Σ_r U_r / k, the sum held in a register across the references
+    __m256 sum = _mm256_loadu_ps(x + j);
+    for (int64_t r = 0; r < c.top_k; ++r) sum = _mm256_fmadd_ps(_mm256_loadu_ps(u[r] + j), share8, sum);
+    _mm256_storeu_ps(x + j, sum);
   }
+#endif
+  for (; j < d; ++j)
+    for (int64_t r = 0; r < c.top_k; ++r) x[j] += u[r][j] * share;
   rotate<false>(x, c.rotary + static_cast<int64_t>(c.positions[b]) * d, d, key);
 }
 
@@ -331,6 +420,42 @@ struct ChunkSums {
   float *acc, *zero_sums, *code_sums, *m, *l;
 };
 
+// Σ (p·step) c over a chunk's coded entries `at` (token index rows[i] of chunk entry i), for each query g of probabilities
+// probs [G, n]: code_sums [G, d_c] += Σ_i probs[g, i] · step_i · c_i, CODES_AT_ONCE entries at a time (each channel's sum
+// held across them, not stored back after every entry).
+constexpr int64_t CODES_AT_ONCE = 8;
+void accumulate_codes(const Coded& coded, const int64_t* rows, const std::vector<int64_t>& at, const float* probs, int64_t n,
+                      int64_t groups, float* code_sums) {
+  const int64_t width = coded.code_width;
+  std::vector<float> batch(CODES_AT_ONCE * width, 0.f);  // the entries' codes as floats, a row each (unused rows: 0)
+  std::vector<uint8_t> codes(width);
+  std::vector<float> steps(CODES_AT_ONCE);
+  const int64_t count = static_cast<int64_t>(at.size());
+  for (int64_t first = 0; first < count; first += CODES_AT_ONCE) {
+    const int64_t taken = std::min(CODES_AT_ONCE, count - first);
+    for (int64_t e = 0; e < taken; ++e) {
+      const int64_t b = coded.blocks[rows[at[first + e]]];
+      steps[e] = to_float(coded.steps_of_token[b]);
+      unpack_nibbles(coded.packed + b * (width / 2), width / 2, codes.data());
+      float* row = batch.data() + e * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) row[j] = static_cast<float>(codes[j]);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float w[CODES_AT_ONCE] = {};
+      for (int64_t e = 0; e < taken; ++e) w[e] = probs[g * n + at[first + e]] * steps[e];
+      float* sums = code_sums + g * width;
+      const float* c = batch.data();
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        float sum = sums[j];
+        for (int64_t e = 0; e < CODES_AT_ONCE; ++e) sum += w[e] * c[e * width + j];
+        sums[j] = sum;
+      }
+    }
+  }
+}
+
 // Phase 2 for one chunk [begin, end) of head h of a row. `tokens` maps a coded block to its named index, `named_refs` a
 // reference-tier token to its.
 template <typename scalar_t>
@@ -339,7 +464,9 @@ void read_chunk(const float* q, int64_t groups, int64_t d, int64_t h, const Tier
                 const scalar_t* ref_keys, const scalar_t* ref_values, const Coded& coded, const SparseSet& tokens,
                 const SparseSet& named_refs, ChunkSums out, float* scores, int64_t scores_stride) {
   const int64_t n = end - begin, heads = tiers.heads, width = coded.code_width, top_k = coded.top_k;
-  std::vector<float> logits(groups * n), x(std::max(d, width)), key(d);
+  std::vector<float> logits(groups * n), x(d), key(d);
+  std::vector<uint8_t> codes(width);
+  std::vector<int32_t> product(d);
   std::vector<int64_t> rows(n);  // a plain slot's row, else the chunk's index of its token or reference
   std::vector<int32_t> weighed(n * top_k);  // the chunk's index of each reference an entry weighs (a reference: itself)
   std::vector<Entry> kinds(n);
@@ -360,7 +487,7 @@ void read_chunk(const float* q, int64_t groups, int64_t d, int64_t h, const Tier
     } else if (kind == Entry::coded) {
       const int64_t token = tokens.find(row / heads);
       rows[i] = token;
-      coded_key(coded, token, h, d, heads, x.data(), key.data());
+      coded_key(coded, token, h, d, heads, codes.data(), product.data(), x.data(), key.data());
       k = key.data();
       for (int64_t r = 0; r < top_k; ++r) weighed[i * top_k + r] = static_cast<int32_t>(chunk_refs.insert(coded.token_refs[token * top_k + r]));
     }
@@ -389,9 +516,10 @@ void read_chunk(const float* q, int64_t groups, int64_t d, int64_t h, const Tier
     out.l[g] = total;
   }
   std::fill(out.acc, out.acc + groups * d, 0.f);
-  std::fill(out.zero_sums, out.zero_sums + groups, 0.f);
   std::fill(out.code_sums, out.code_sums + groups * width, 0.f);
   std::vector<float> ref_weights(chunk_refs.ids.size() * groups, 0.f);  // [chunk's references, G]
+  std::vector<float> zeros(n, 0.f);  // a coded entry's zero point, else 0
+  std::vector<int64_t> coded_at;     // the chunk's coded entries
   const float share = 1.f / static_cast<float>(top_k);
   for (int64_t i = 0; i < n; ++i) {
     if (kinds[i] == Entry::plain) {
@@ -399,19 +527,20 @@ void read_chunk(const float* q, int64_t groups, int64_t d, int64_t h, const Tier
     } else if (kinds[i] == Entry::reference) {
       for (int64_t g = 0; g < groups; ++g) ref_weights[weighed[i * top_k] * groups + g] += logits[g * n + i];
     } else if (kinds[i] == Entry::coded) {
-      const int64_t b = coded.blocks[rows[i]];
-      const float zero = to_float(coded.zeros[b]), step = to_float(coded.steps_of_token[b]);
-      const int8_t* c = coded.small + rows[i] * width;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) x[j] = static_cast<float>(c[j]);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float p = logits[g * n + i];
-        out.zero_sums[g] += p * zero;
-        axpy(out.code_sums + g * width, p * step, x.data(), width);
-        for (int64_t r = 0; r < top_k; ++r) ref_weights[weighed[i * top_k + r] * groups + g] += p * share;
-      }
+      zeros[i] = to_float(coded.zeros[coded.blocks[rows[i]]]);
+      coded_at.push_back(i);
+      for (int64_t r = 0; r < top_k; ++r)
+        for (int64_t g = 0; g < groups; ++g) ref_weights[weighed[i * top_k + r] * groups + g] += logits[g * n + i] * share;
     }
   }
+  for (int64_t g = 0; g < groups; ++g) {  // Σ p·zero
+    const float* p = logits.data() + g * n;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += p[i] * zeros[i];
+    out.zero_sums[g] = sum;
+  }
+  accumulate_codes(coded, rows.data(), coded_at, logits.data(), n, groups, out.code_sums);
   for (int64_t at = 0; at < static_cast<int64_t>(chunk_refs.ids.size()); ++at) {  // each reference's value, read once
     const scalar_t* v = ref_values + (coded.references[chunk_refs.ids[at]] * heads + h) * d;
     for (int64_t g = 0; g < groups; ++g)
@@ -432,18 +561,13 @@ void unrotate_references(const std::vector<int64_t>& named, const scalar_t* ref_
   });
 }
 
-// Every named token's 4-bit code as int8 integers [n, d_c]; where `z` is given, as floats too (zero + step · c).
+// Every named token's code z = zero + step · c [n, d_c] in floats (c its 4-bit integers).
 void unpack_codes(const std::vector<int64_t>& named, const uint8_t* codes, int64_t code_bytes, const at::Half* zeros,
-                  const at::Half* steps, int8_t* small, float* z) {
+                  const at::Half* steps, float* z) {
   at::parallel_for(0, static_cast<int64_t>(named.size()), 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> c(2 * code_bytes);
     for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* code = codes + named[i] * code_bytes;
-      int8_t* c = small + i * 2 * code_bytes;
-      for (int64_t j = 0; j < code_bytes; ++j) {
-        c[2 * j] = static_cast<int8_t>(code[j] & 15);
-        c[2 * j + 1] = static_cast<int8_t>(code[j] >> 4);
-      }
-      if (z == nullptr) continue;
+      unpack_nibbles(codes + named[i] * code_bytes, code_bytes, c.data());
       const float zero = to_float(zeros[named[i]]), step = to_float(steps[named[i]]);
       for (int64_t j = 0; j < 2 * code_bytes; ++j) z[i * 2 * code_bytes + j] = zero + step * static_cast<float>(c[j]);
     }
@@ -451,14 +575,6 @@ void unpack_codes(const std::vector<int64_t>& named, const uint8_t* codes, int64
 }
 
 }  // namespace
-
-bool int8_products_fast() {
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling, const at::Tensor& keys, const at::Tensor& values,
                                        const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
@@ -486,12 +602,14 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
               "ref_keys, ref_values: [R, H, d] in the pool's dtype, H and d the query's");
   const int64_t total = codes.size(0), code_width = 2 * codes.size(1), width = 2 * heads * d;
   const bool stored = key_codes.numel() > 0;
-  TORCH_CHECK(!stored || (key_codes.dim() == 3 && key_codes.size(0) == decoder.size(0) && key_codes.size(1) == code_width &&
-                          key_codes.size(2) == heads * d && key_codes.scalar_type() == at::kChar && key_codes.is_contiguous() &&
+  TORCH_CHECK(!stored || (key_codes.dim() == 4 && key_codes.size(0) == decoder.size(0) && 4 * key_codes.size(1) == code_width &&
+                          key_codes.size(2) == heads * d && key_codes.size(3) == 4 && key_codes.scalar_type() == at::kChar &&
+                          key_codes.is_contiguous() &&
                           key_steps.sizes() == at::IntArrayRef({decoder.size(0), heads * d}) && key_sums.sizes() == key_steps.sizes() &&
                           key_steps.scalar_type() == at::kFloat && key_sums.scalar_type() == at::kFloat && key_steps.is_contiguous() &&
                           key_sums.is_contiguous()),
-              "key_codes: int8 [L, d_c, H·d] (the decoder's key columns in 8 bits), key_steps and key_sums: float32 [L, H·d]; or empty");
+              "key_codes: int8 [L, d_c / 4, H·d, 4] (the decoder's key columns in 8 bits, four code channels together), key_steps and "
+              "key_sums: float32 [L, H·d]; or empty");
   const int64_t* length = lengths.data_ptr<int64_t>();
   const int64_t longest = lengths.numel() ? *std::max_element(length, length + lengths.numel()) : 0;
   if (scores.numel() > 0)
@@ -512,6 +630,7 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
   const int32_t* position_ids = positions.data_ptr<int32_t>();
   const int32_t* ref_position_ids = ref_positions.data_ptr<int32_t>();
   const int64_t top_k = refs.size(1), table_rows = rotary.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= MAX_TOP_K, "deltakv_decode: a coded token averages 1 to ", MAX_TOP_K, " references, not ", top_k);
   int64_t layer = -1;
   bool plain_only = true;
   for (int64_t r = 0; r < rows; ++r) {
@@ -543,20 +662,22 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
   if (plain_only)  // a layer DeltaKV leaves raw: the plain read, with its vectorized paths
     return paged_decode(queries, scaling, keys, values, tables, lengths, weights, tier_shift, {}, {}, scores);
   const int64_t n = static_cast<int64_t>(tokens.ids.size()), named_refs = static_cast<int64_t>(references.ids.size());
-  auto small = at::empty({n, code_width}, codes.options().dtype(at::kChar));
-  auto z = stored ? at::Tensor() : at::empty({n, code_width}, decoder.options());
   auto unrotated = at::empty({named_refs, heads * d}, decoder.options());
-  unpack_codes(tokens.ids, codes.data_ptr<uint8_t>(), codes.size(1), code_zero.data_ptr<at::Half>(), code_scale.data_ptr<at::Half>(),
-               small.data_ptr<int8_t>(), stored ? nullptr : z.data_ptr<float>());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "deltakv_decode_references", [&] {
     unrotate_references<scalar_t>(references.ids, ref_keys.data_ptr<scalar_t>(), ref_position_ids, rotary.data_ptr<float>(), heads, d,
                                   unrotated.data_ptr<float>());
   });
   const int64_t key_layer = std::max<int64_t>(layer, 0);  // tables naming references and no coded token: no product is read
-  at::Tensor product;  // z · W_K [n, H·d]: int32 from the stored columns, else float32
-  if (n > 0) product = stored ? at::_int_mm(small, key_codes[key_layer]) : at::mm(z, decoder[key_layer].narrow(1, 0, heads * d));
-  const Coded coded{tokens.ids.data(), small.data_ptr<int8_t>(), code_width, code_zero.data_ptr<at::Half>(), code_scale.data_ptr<at::Half>(),
-                    n > 0 && stored ? product.data_ptr<int32_t>() : nullptr, n > 0 && !stored ? product.data_ptr<float>() : nullptr,
+  at::Tensor product;  // z · W_K [n, H·d] in float32, where the columns are not stored in 8 bits (else taken per entry)
+  if (n > 0 && !stored) {
+    auto z = at::empty({n, code_width}, decoder.options());
+    unpack_codes(tokens.ids, codes.data_ptr<uint8_t>(), codes.size(1), code_zero.data_ptr<at::Half>(), code_scale.data_ptr<at::Half>(),
+                 z.data_ptr<float>());
+    product = at::mm(z, decoder[key_layer].narrow(1, 0, heads * d));
+  }
+  const Coded coded{tokens.ids.data(), codes.data_ptr<uint8_t>(), code_width, code_zero.data_ptr<at::Half>(), code_scale.data_ptr<at::Half>(),
+                    stored ? key_codes.data_ptr<int8_t>() + key_layer * code_width * heads * d : nullptr,
+                    n > 0 && !stored ? product.data_ptr<float>() : nullptr,
                     stored ? key_steps.data_ptr<float>() + key_layer * heads * d : nullptr,
                     stored ? key_sums.data_ptr<float>() + key_layer * heads * d : nullptr, scale.data_ptr<float>() + key_layer * width,
                     token_refs.data(), top_k, references.ids.data(), unrotated.data_ptr<float>(), position_ids, rotary.data_ptr<float>()};
@@ -575,18 +696,16 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
     const scalar_t* v = values.data_ptr<scalar_t>();
     const scalar_t* rk = ref_keys.data_ptr<scalar_t>();
     const scalar_t* rv = ref_values.data_ptr<scalar_t>();
-    at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t rh = tasks.owner[t], r = rh / heads, h = rh % heads;
-        const at::Tensor& table = tables[r];
-        const at::Tensor& w = weights[r];
-        const float* wp = w.numel() ? w.data_ptr<float>() + h * w.stride(0) : nullptr;
-        const ChunkSums sums{acc.data() + t * groups * d, zero_sums.data() + t * groups, code_sums.data() + t * groups * code_width,
-                             m.data() + t * groups, l.data() + t * groups};
-        read_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, h, tiers, table.data_ptr<int32_t>() + h * table.stride(0),
-                             table.stride(1), wp, w.numel() ? w.stride(1) : 0, tasks.begin(t), tasks.end(t), k, v, rk, rv, coded, tokens,
-                             references, sums, score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride);
-      }
+    tasks.for_each([&](int64_t t) {
+      const int64_t rh = tasks.owner[t], r = rh / heads, h = rh % heads;
+      const at::Tensor& table = tables[r];
+      const at::Tensor& w = weights[r];
+      const float* wp = w.numel() ? w.data_ptr<float>() + h * w.stride(0) : nullptr;
+      const ChunkSums sums{acc.data() + t * groups * d, zero_sums.data() + t * groups, code_sums.data() + t * groups * code_width,
+                           m.data() + t * groups, l.data() + t * groups};
+      read_chunk<scalar_t>(q + (r * hq + h * groups) * d, groups, d, h, tiers, table.data_ptr<int32_t>() + h * table.stride(0),
+                           table.stride(1), wp, w.numel() ? w.stride(1) : 0, tasks.begin(t), tasks.end(t), k, v, rk, rv, coded, tokens,
+                           references, sums, score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride);
     });
   });
   auto out = at::zeros({rows, hq, d}, query.options());

@@ -2,12 +2,14 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -86,22 +88,44 @@ inline float exp_float(float x) {
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // A decoding read's work, for paged_decode.cpp and deltakv_rebuild.cpp: every (row, KV head) rh of lengths [R·H] cut into
-// chunks of DECODE_CHUNK entries (one, even for an empty head); task t covers entries [begin(t), end(t)) of head owner[t],
-// head rh's tasks are first[rh] .. first[rh + 1] - 1.
-constexpr int64_t DECODE_CHUNK = 512;
+// chunks of `size` entries (one, even for an empty head); task t covers entries [begin(t), end(t)) of head owner[t], head
+// rh's tasks are first[rh] .. first[rh + 1] - 1. The size is DECODE_CHUNK where the read is long, smaller where it is short
+// (at least TASKS_PER_THREAD chunks for each thread, so that `for_each` can share the entries evenly), a multiple of
+// CHUNK_ALIGN (a KIVI block's entries stay in one chunk).
+constexpr int64_t DECODE_CHUNK = 512, CHUNK_ALIGN = 64, TASKS_PER_THREAD = 16;
 struct DecodeTasks {
   const int64_t* length;
+  int64_t size;
   std::vector<int64_t> first, owner;
   DecodeTasks(const int64_t* lengths, int64_t heads_total) : length(lengths), first(heads_total + 1, 0) {
-    for (int64_t rh = 0; rh < heads_total; ++rh)
-      first[rh + 1] = first[rh] + std::max<int64_t>(1, (length[rh] + DECODE_CHUNK - 1) / DECODE_CHUNK);
+    const int64_t total = std::accumulate(lengths, lengths + heads_total, int64_t{0});
+    const int64_t share = (total + TASKS_PER_THREAD * at::get_num_threads() - 1) / (TASKS_PER_THREAD * at::get_num_threads());
+    size = std::clamp((share + CHUNK_ALIGN - 1) / CHUNK_ALIGN * CHUNK_ALIGN, CHUNK_ALIGN, DECODE_CHUNK);
+    for (int64_t rh = 0; rh < heads_total; ++rh) first[rh + 1] = first[rh] + std::max<int64_t>(1, (length[rh] + size - 1) / size);
     owner.resize(first.back());
     for (int64_t rh = 0; rh < heads_total; ++rh) std::fill(owner.begin() + first[rh], owner.begin() + first[rh + 1], rh);
   }
   int64_t count() const { return first.back(); }
   int64_t chunks(int64_t rh) const { return first[rh + 1] - first[rh]; }
-  int64_t begin(int64_t t) const { return (t - first[owner[t]]) * DECODE_CHUNK; }
-  int64_t end(int64_t t) const { return std::max(begin(t), std::min(length[owner[t]], begin(t) + DECODE_CHUNK)); }
+  int64_t begin(int64_t t) const { return (t - first[owner[t]]) * size; }
+  int64_t end(int64_t t) const { return std::max(begin(t), std::min(length[owner[t]], begin(t) + size)); }
+
+  // task(t) for every task on ATen's threads, each thread one contiguous run of tasks holding an equal share of the entries
+  // (contiguous: a thread streams through neighbouring entries; at::parallel_for's equal runs of tasks would leave a
+  // thread waiting where heads end in short chunks).
+  template <typename Task>
+  void for_each(const Task& task) const {
+    const int64_t n = count(), parts = std::min<int64_t>(at::get_num_threads(), n);
+    std::vector<int64_t> before(n + 1, 0);  // the work of the tasks before t (an empty chunk counts one)
+    for (int64_t t = 0; t < n; ++t) before[t + 1] = before[t] + std::max<int64_t>(1, end(t) - begin(t));
+    at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t part = lo; part < hi; ++part) {  // the tasks whose work starts in this part's share
+        const auto from = std::lower_bound(before.begin(), before.begin() + n, part * before[n] / parts) - before.begin();
+        const auto to = std::lower_bound(before.begin(), before.begin() + n, (part + 1) * before[n] / parts) - before.begin();
+        for (int64_t t = from; t < to; ++t) task(t);
+      }
+    });
+  }
 };
 
 // Query g's chunks of head rh merged by log-sum-exp, from each chunk's max m and sum l [tasks, G]: add(t, factor) for every
@@ -149,10 +173,6 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
                                        const at::Tensor& ref_keys, const at::Tensor& ref_values, const at::Tensor& ref_positions,
                                        const at::Tensor& decoder, const at::Tensor& scale, const at::Tensor& key_codes,
                                        const at::Tensor& key_steps, const at::Tensor& key_sums, const at::Tensor& rotary, at::Tensor scores);
-
-// Whether this CPU multiplies int8 matrices at speed (VNNI: AVX512-VNNI or AVX-VNNI), for deltakv_decode's integer key
-// product through at::_int_mm; without it ATen's int8 product is a scalar loop (~35x a float32 product on AMD Zen 3).
-bool int8_products_fast();
 
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 

@@ -6,7 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_pages", &top_pages, "The best pages of each head by bound, as entry columns (CPU)");
   m.def("deltakv_rebuild", &deltakv_rebuild, "DeltaKV's coded tokens rebuilt: keys (RoPE applied) and values (CPU)");
   m.def("deltakv_decode", &deltakv_decode, "Decode attention over slot tables naming DeltaKV's coded tokens, read in place (CPU)");
-  m.def("int8_products_fast", &int8_products_fast, "Whether this CPU multiplies int8 matrices at speed (VNNI), for deltakv_decode");
   m.def("add_rms_norm", &add_rms_norm, "A residual sum and its RMSNorm in one pass (CPU)");
   m.def("rope", &rope, "Rotate-half RoPE over heads (CPU)");
   m.def("linear_rows_dtypes", &linear_rows_dtypes, "The dtypes linear_rows runs on this CPU: float32, bfloat16 (AVX2 and FMA, or AVX512-BF16)");

@@ -4,8 +4,8 @@
 //
 // Per (row r, KV head h): the entries j < lengths[r, h] of the slot table tables[r][h, :] (slot 0: a hole,
 // skipped), each with an optional log-weight weights[r][h, j]. The G = Hq / H query heads of the group
-// share every key and value they load. Work is split into chunks of DECODE_CHUNK entries (flash-decoding), each
-// chunk an online softmax over blocks of BLOCK entries with float32 accumulators; chunks are merged by
+// share every key and value they load. Work is split into chunks of at most DECODE_CHUNK entries (flash-decoding; smaller
+// where the read is short, each thread a contiguous run of them holding an equal share), each chunk an online softmax over blocks of BLOCK entries with float32 accumulators; chunks are merged by
 // log-sum-exp. Out: the attention output [R, Hq, d] and the log partition function [R, Hq] (float32,
 // -inf where a head has no entry).
 //
@@ -604,15 +604,13 @@ void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, c
       s[r * hq + h * groups + g] = top + std::log(total);
     }
   };
-  at::parallel_for(0, tasks.count(), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t rh = tasks.owner[t], r = rh / heads, h = rh % heads;
-      const int64_t offset = (r * hq + h * groups) * d;
-      attend_chunk<scalar_t>(q + offset, q_bf16 ? q_bf16 + offset : nullptr, scaling, groups, d, k, v, num_slots, kivi, tables[r], h,
-                             tasks.begin(t), tasks.end(t), acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups,
-                             score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride, out_of_range);
-      if (tasks.chunks(rh) == 1) merge(rh);  // its only chunk: merged here, without a second parallel region
-    }
+  tasks.for_each([&](int64_t t) {
+    const int64_t rh = tasks.owner[t], r = rh / heads, h = rh % heads;
+    const int64_t offset = (r * hq + h * groups) * d;
+    attend_chunk<scalar_t>(q + offset, q_bf16 ? q_bf16 + offset : nullptr, scaling, groups, d, k, v, num_slots, kivi, tables[r], h,
+                           tasks.begin(t), tasks.end(t), acc.data() + t * groups * d, m.data() + t * groups, l.data() + t * groups,
+                           score ? score + (r * hq + h * groups) * score_stride : nullptr, score_stride, out_of_range);
+    if (tasks.chunks(rh) == 1) merge(rh);  // its only chunk: merged here, without a second parallel region
   });
   TORCH_CHECK(!out_of_range, "paged_decode: a slot table names a slot outside the pool, or a coded entry of a tier it was not given");
   if (tasks.count() > rows * heads) {  // heads of several chunks, merged once every chunk is done

@@ -19,7 +19,8 @@ head holds nothing, whose output is 0).
   compiler through ``torch.utils.cpp_extension`` and cached (``kernels.py``; ``make setup`` builds it). Each KV head's entries are cut into chunks read in
   parallel (flash-decoding) with an online softmax in float32; a key or value row is loaded once for
   its GQA group, straight from the pool, in the pool's dtype (float32, bfloat16 or float16).
-  DeltaKV's tiers take ``csrc/deltakv_rebuild.cpp``'s ``deltakv_decode``: the named tokens' keys rebuilt once, their values
+  DeltaKV's tiers take ``csrc/deltakv_rebuild.cpp``'s ``deltakv_decode``: each coded entry's key made where its logit is taken
+  (its head's part of the decoder's product in exact integers where the decoder is as a checkpoint stores it), its value
   never (values carry no RoPE: Σ p·v̂ = ((Σ p·z) · W_V) ⊙ s_V + Σ p·m, so the read sums the codes and projects them once).
 * On a CUDA GPU: the same in Triton (``paged_triton.py``; tested on the CPU through Triton's interpreter), KIVI or plain.
 * Elsewhere, or where neither is available: ``paged_decode_torch``, the same contract in plain PyTorch
@@ -89,19 +90,12 @@ def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, blocks, scores)
     weights = _kernel_log_weights(log_weights, len(tables))
     codes, references, codec = blocks.arrays, blocks.references, blocks.codec
-    stored = (codec.stored_keys() if _int8_products(kernel) else None) or (NOTHING, NOTHING, NOTHING)
+    stored = codec.stored_keys() or (NOTHING, NOTHING, NOTHING)
     return kernel.deltakv_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT,
                                  blocks.tier, blocks.reference_tier, codes["code"], codes["code_zero"], codes["code_scale"],
                                  codes["refs"], codes["position"], codes["layer"], references["keys"], references["values"],
                                  references["position"], codec.weights.decoder, codec.weights.scale, *stored, codec.rotary,
                                  NOTHING if scores is None else scores)
-
-
-def _int8_products(kernel) -> bool:
-    """Whether the compiled DeltaKV read takes its keys' product in exact int8 over the decoder's key columns as a checkpoint
-    stores them (``DeltaKVCodec.stored_keys``): where this CPU has VNNI, else a float32 product over the same columns (ATen's
-    int8 product without VNNI is a scalar loop, ~35× slower on AMD Zen 3)."""
-    return bool(kernel.int8_products_fast())
 
 
 def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor],

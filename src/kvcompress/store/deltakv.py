@@ -303,15 +303,17 @@ class DeltaKVCodec:
                                                                   self.references.arrays)
 
     def stored_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The decoder's key columns as a checkpoint stores them, when they are exactly that (a loaded checkpoint's are):
-        int8 codes [L, d_c, H·d], each column's step and its codes' sum [L, H·d] float32, for the compiled read's integer
-        product (``csrc/deltakv_rebuild.cpp``'s ``stored_key_part``); else None. Made on first use: the decoder a codec
-        reads with does not change."""
+        """The decoder's key columns as a checkpoint stores them, when they are exactly that (a loaded checkpoint's are)
+        and d_c is a multiple of 4: int8 codes with four code channels together [L, d_c / 4, H·d, 4], each column's step
+        and its codes' sum [L, H·d] float32, for the compiled read's integer product (``csrc/deltakv_rebuild.cpp``'s
+        ``key_product``); else None. Made on first use: the decoder a codec reads with does not change."""
         if self._stored_keys is None:
             keys = self.weights.decoder[:, :, : self.weights.decoder.shape[2] // 2]
             codes, step = columns_in_8_bits(keys)
-            exact = torch.equal(codes.float() * step, keys)
-            self._stored_keys = ((codes.contiguous(), step[:, 0].contiguous(), codes.float().sum(1).contiguous()) if exact else None,)
+            layers, width, columns = codes.shape
+            exact = width % 4 == 0 and torch.equal(codes.float() * step, keys)
+            quads = codes.view(layers, width // 4, 4, columns).transpose(2, 3).contiguous() if exact else None
+            self._stored_keys = ((quads, step[:, 0].contiguous(), codes.float().sum(1).contiguous()) if exact else None,)
         return self._stored_keys[0]
 
     def decode(self, arrays, entries):
