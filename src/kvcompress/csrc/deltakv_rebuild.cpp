@@ -40,6 +40,30 @@ inline void rotate(const scalar_t* x, const float* rotary_row, int64_t d, float*
   }
 }
 
+// A token's 4-bit code [d_c / 2 bytes, the first of each pair in the low bits] as one byte per channel [d_c].
+inline void unpack_nibbles(const uint8_t* packed, int64_t code_bytes, uint8_t* codes) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m128i low = _mm_set1_epi8(15);
+  for (; j + 16 <= code_bytes; j += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j));
+    const __m128i first = _mm_and_si128(bytes, low), second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * j), _mm_unpacklo_epi8(first, second));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * j + 16), _mm_unpackhi_epi8(first, second));
+  }
+#endif
+  for (; j < code_bytes; ++j) {
+    codes[2 * j] = packed[j] & 15;
+    codes[2 * j + 1] = packed[j] >> 4;
+  }
+}
+
+// A token's code z = zero + step · c [d_c] in floats, c its 4-bit integers (`codes`: scratch [d_c]).
+inline void code_floats(const uint8_t* packed, int64_t code_bytes, float zero, float step, uint8_t* codes, float* z) {
+  unpack_nibbles(packed, code_bytes, codes);
+  for (int64_t j = 0; j < 2 * code_bytes; ++j) z[j] = zero + step * static_cast<float>(codes[j]);
+}
+
 // Pass 1, per token: its code z [d_c] and the sum of its references' vectors [2·H·d] (keys rotated back).
 template <typename scalar_t>
 void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* codes, int64_t code_bytes, const at::Half* zeros,
@@ -49,15 +73,10 @@ void codes_and_reference_sums(const int64_t* blocks, int64_t n, const uint8_t* c
   const int64_t width = 2 * heads * head_dim;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> unrotated(head_dim);
+    std::vector<uint8_t> scratch(2 * code_bytes);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = blocks[i];
-      const float zero = static_cast<float>(zeros[b]), step = static_cast<float>(scales[b]);
-      const uint8_t* code = codes + b * code_bytes;
-      float* zi = z + i * 2 * code_bytes;
-      for (int64_t c = 0; c < code_bytes; ++c) {
-        zi[2 * c] = zero + static_cast<float>(code[c] & 15) * step;
-        zi[2 * c + 1] = zero + static_cast<float>(code[c] >> 4) * step;
-      }
+      code_floats(codes + b * code_bytes, code_bytes, to_float(zeros[b]), to_float(scales[b]), scratch.data(), z + i * 2 * code_bytes);
       float* sum = sums + i * width;
       std::fill(sum, sum + width, 0.0f);
       for (int64_t r = 0; r < top_k; ++r) {
@@ -307,24 +326,6 @@ struct Coded {
   const float* rotary;
 };
 
-// A token's 4-bit code [d_c / 2 bytes, the first of each pair in the low bits] as one byte per channel [d_c].
-inline void unpack_nibbles(const uint8_t* packed, int64_t code_bytes, uint8_t* codes) {
-  int64_t j = 0;
-#if defined(__AVX2__)
-  const __m128i low = _mm_set1_epi8(15);
-  for (; j + 16 <= code_bytes; j += 16) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + j));
-    const __m128i first = _mm_and_si128(bytes, low), second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * j), _mm_unpacklo_epi8(first, second));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * j + 16), _mm_unpackhi_epi8(first, second));
-  }
-#endif
-  for (; j < code_bytes; ++j) {
-    codes[2 * j] = packed[j] & 15;
-    codes[2 * j + 1] = packed[j] >> 4;
-  }
-}
-
 // c · W for one head: Σ_c codes[c] · W[c, first + j] [d] int32, exact, of codes [d_c] (each 0-15) and the layer's int8 columns
 // in quads [d_c / 4, columns, 4] (W[4q + i, j] at (q · columns + j) · 4 + i). With AVX2, eight columns a register: four
 // codes broadcast against each column's four weights in one byte product (`maddubs`: a pair's products summed in 16 bits,
@@ -429,7 +430,7 @@ void accumulate_codes(const Coded& coded, const int64_t* rows, const std::vector
   const int64_t width = coded.code_width;
   std::vector<float> batch(CODES_AT_ONCE * width, 0.f);  // the entries' codes as floats, a row each (unused rows: 0)
   std::vector<uint8_t> codes(width);
-  std::vector<float> steps(CODES_AT_ONCE);
+  float steps[CODES_AT_ONCE];
   const int64_t count = static_cast<int64_t>(at.size());
   for (int64_t first = 0; first < count; first += CODES_AT_ONCE) {
     const int64_t taken = std::min(CODES_AT_ONCE, count - first);
@@ -565,12 +566,10 @@ void unrotate_references(const std::vector<int64_t>& named, const scalar_t* ref_
 void unpack_codes(const std::vector<int64_t>& named, const uint8_t* codes, int64_t code_bytes, const at::Half* zeros,
                   const at::Half* steps, float* z) {
   at::parallel_for(0, static_cast<int64_t>(named.size()), 64, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> c(2 * code_bytes);
-    for (int64_t i = begin; i < end; ++i) {
-      unpack_nibbles(codes + named[i] * code_bytes, code_bytes, c.data());
-      const float zero = to_float(zeros[named[i]]), step = to_float(steps[named[i]]);
-      for (int64_t j = 0; j < 2 * code_bytes; ++j) z[i * 2 * code_bytes + j] = zero + step * static_cast<float>(c[j]);
-    }
+    std::vector<uint8_t> scratch(2 * code_bytes);
+    for (int64_t i = begin; i < end; ++i)
+      code_floats(codes + named[i] * code_bytes, code_bytes, to_float(zeros[named[i]]), to_float(steps[named[i]]), scratch.data(),
+                  z + i * 2 * code_bytes);
   });
 }
 
