@@ -8,7 +8,8 @@ decoding step (1, 8, 32 requests) and a prompt (512 tokens) give, in float32 and
 few rows, the compiled ``linear_rows`` where ``streamed_dtypes`` has the dtype), the same thread count, one run; and
 the step's total (every layer's products plus the output layer) in each form. One layer timed again and again reads its
 weight from the caches; ``--step`` times instead a whole step's products over every layer's own weights (as a decoding
-step reads them: from memory), oneDNN's packed products against ``linear_rows``, at rows 1, 4, 8, 12, 16, 24.
+step reads them: from memory), ``F.linear`` and oneDNN's packed products against ``linear_rows``, at rows 1, 4, 8, 12,
+16, 24.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def main() -> None:
 
 
 def step_products(shapes: Counter, args) -> None:
-    """A step's products over every layer's own weights (distinct tensors, so they stream from memory): oneDNN's packed
-    products against ``linear_rows``, in each dtype both run here; ms and the weights' GB/s."""
+    """A step's products over every layer's own weights (distinct tensors, so they stream from memory): ``F.linear``
+    (transformers' own, what ``generate`` and ``bench`` run) and oneDNN's packed products against ``linear_rows``, in each
+    dtype each runs here; ms and the weights' GB/s."""
     kernels = cpu_kernels()
     runs = set() if kernels is None else set(kernels.linear_rows_dtypes())
     results = []
@@ -89,7 +91,7 @@ def step_products(shapes: Counter, args) -> None:
         packed = [PackedLinear([w], None) for w in weights] if packs(dtype) else None
         for rows in (1, 4, 8, 12, 16, 24):
             xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in weights}
-            forms = {}
+            forms = {"F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}  # transformers' own (the hf path's)
             if packed is not None:
                 forms["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(xs[p.own[0].shape[1]], p.weight, None, "none", [], "")
                                            for p in packed]
