@@ -5,9 +5,9 @@
 Each method (a spec; those that take a size get ``--ratio``) prefills the same ``--context-tokens`` random tokens into a
 ``CompressedCache`` and decodes ``--steps`` greedy steps, as ``kvcompress bench`` does; the methods take turns,
 ``--rounds`` times, in one process, so a load that comes and goes falls on each alike. Every call into the compiled CPU
-kernels (``kvcompress.kernels``: the decoding reads, DeltaKV's rebuilds) is timed, so each step splits into the time
-inside them and the rest (the model's layers, the cache's own work). Reported per method: the median step, the median
-time inside the kernels a step, and both × the first method's.
+kernels (``kvcompress.kernels.cpu_kernels``, whoever calls it: the decoding reads, Quest's pages, DeltaKV's rebuilds) is
+timed, so each step splits into the time inside them and the rest (the model's layers, the cache's own work). Reported
+per method: the median step (and × the first method's) and the median time inside the kernels a step.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-import kvcompress.read.paged as paged
+import kvcompress.kernels
 from kvcompress.bench import cpu_description
 from kvcompress.hf import CompressedCache
+from kvcompress.cli import _method
 from kvcompress.kernels import cpu_kernels
-from kvcompress.methods.spec import MethodSpec
 from kvcompress.models import cache_kwargs, load_model
 
 
@@ -50,8 +50,7 @@ class TimedKernels:
 @torch.inference_mode()
 def decode_steps(model, spec: str, ratio: float, ids: torch.Tensor, steps: int, kernels: TimedKernels) -> tuple[list, list]:
     """One method's steps after a prefill of ``ids``: each step's seconds, and its seconds inside the kernels."""
-    parsed = MethodSpec.parse(spec)
-    cache = CompressedCache(model, parsed.build(ratio=ratio) if parsed.takes_size else parsed.build())
+    cache = CompressedCache(model, _method(spec, default_ratio=ratio))  # a spec without a size gets ``ratio``, as on the command line
     next_ids = model(ids, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     walls, inside = [], []
     for _ in range(steps):
@@ -78,7 +77,7 @@ def main() -> None:
     if module is None:
         parser.error("the compiled CPU kernels are not built here: nothing to split the step by")
     kernels = TimedKernels(module)
-    paged.cpu_kernels = lambda: kernels  # the reads look the module up on every call
+    kvcompress.kernels._built = kernels  # what ``cpu_kernels()`` hands every caller from now on (they look it up per call)
     model, _ = load_model()
     ids = torch.randint(100, model.config.vocab_size, (1, args.context_tokens), generator=torch.Generator().manual_seed(0))
     methods = args.methods.split(",")
