@@ -15,9 +15,9 @@ inside the kernels a step, and the reads' budget: what the time inside the kerne
 ``--floor`` adds, for each method whose read makes DeltaKV's keys from their 4-bit codes (``deltakv_decode`` with
 8-bit key columns), the arithmetic floor of that product alone: one more step counts the coded entries the reads take,
 each a d_c × d product of bytes, and divides by this CPU's peak rate of the byte products the read runs (AVX2's
-``maddubs`` with a 16-bit add, eight independent chains with no memory traffic, on one thread: ``peak_byte_products``)
-times ``--threads``, as if every thread ran at that peak all the time. Where the floor exceeds the budget, no
-implementation of this read reaches the bar on this machine.
+``maddubs`` with a 16-bit add, six independent chains on weights in L1, on one thread: ``peak_byte_products``) times
+``--threads``, as if every thread ran at that peak all the time. Where the floor exceeds the budget, no read that makes
+each coded key from its codes at every step reaches the bar on this machine.
 """
 
 from __future__ import annotations
