@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import layers_of, left_padded_batch, tiny_model
+from common import kept_positions, layers_of, left_padded_batch, tiny_model
 from kvcompress import CompressedCache, get_method
 from kvcompress.session import Session
 from kvcompress.store.slots import PoolExhausted, SlotPool
@@ -188,3 +188,27 @@ def test_begin_step_records_a_slot_per_layer_and_head_at_the_step_position():
         full.session.begin_step(40)
     assert torch.equal(full.session.table.lengths, lengths) and fixed.num_used == used
     fixed.release(filler)
+
+
+def test_a_forward_stopped_part_way_leaves_the_layers_it_did_not_reach_without_the_step():
+    """One request's decoding step is begun at its first layer for every layer (``begin_step``); a forward that stops
+    after layer 1 leaves layers 0 and 1 with the token and layer 2 without it, its recorded slot given back, once the
+    next step comes: as appending layer by layer would have left them, with no slot held twice or leaked."""
+    model = tiny_model(layers=3)
+    cache = CompressedCache(model, get_method("snapkv", budget=12, window=4))
+    model(_ids(40), past_key_values=cache)
+    session = cache.session
+
+    def stop(*_):
+        raise RuntimeError("stopped")
+
+    hook = model.model.layers[1].register_forward_hook(stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        model(_ids(1, seed=3), past_key_values=cache)
+    hook.remove()
+    model(_ids(1, seed=4), past_key_values=cache)
+    held = [[sorted(row) for row in layer[0]] for layer in map(kept_positions, layers_of(cache))]
+    assert all(40 in row and 41 in row for layer in held[:2] for row in layer)
+    assert all(40 not in row and 41 in row for row in held[2])
+    assert [layer.seen for layer in session.layers] == [42, 42, 41]
+    assert session.pool.num_used == int(session.table.lengths.sum()) == session.table.held_slots().numel()

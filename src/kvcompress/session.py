@@ -102,6 +102,8 @@ class Session:
         self.timings = {"compress_s": 0.0}
         self._pending: dict[int, tuple] = {}  # this step's reads, for a method acting on every layer at once
         self._step: dict = {}  # scratch shared by the layers of one decoding step (LayerContext.step)
+        self._step_slots: torch.Tensor | None = None  # a decoding step's slots [num_layers, H] begun at its first layer
+        self._step_layer = 0  # the next layer of that step to write its entries
         self.replay_pending = False  # the prompt is prefilled and waits for its replay (KVzip) to be compressed
         self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
         storage = method.storage_for(pool.dtype, num_layers)
@@ -299,43 +301,76 @@ class Session:
         """Append a step's entries (keys/values [B, H, q, d] at positions [B, q]), read, let the method
         act (``hidden`` [B, q, D]: the step's attention input, for methods that need ``hidden_states``):
         output [B, Hq, q, d]."""
-        self.append_step(layer_idx, key, value, positions)
+        begun = self._write_step(layer_idx, key, value, positions)
         view = self.view(layer_idx)
-        select = self.select(layer_idx, view, query, positions)
-        weights = self.wants_read_weights(layer_idx, query, positions)
+        context = self.context(layer_idx, query, positions) if self.method.selects else None
+        # a step begun for every layer counted the reads of a method that does not choose them per layer
+        select = self.select(layer_idx, view, query, positions, context) if not begun or self.acts_per_layer else None
+        weights = self.wants_read_weights(layer_idx, query, positions, context)
         result = read(query, positions, view, self.layers[layer_idx].scaling, select=select,
                       col_sums=self.wants_col_sums(layer_idx, query, positions), weights=weights)
         if weights:
-            self.read_weights(layer_idx, view, query, positions, result.weights)
+            self.read_weights(layer_idx, view, query, positions, result.weights, context)
         self.after_read(layer_idx, query, positions, result.col_sums, view, hidden)
         return result.out
 
-    def select(self, layer_idx: int, view: KVView | None, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def select(self, layer_idx: int, view: KVView | None, query: torch.Tensor, positions: torch.Tensor,
+               context: LayerContext | None = None) -> torch.Tensor | None:
         """The entries a layer reads at a decoding step of one token (the method's choice; None: all), counted
-        for ``cr`` (``view``: the layer's, if at hand; made only for a method that selects)."""
+        for ``cr`` (``view``, ``context``: the layer's, if at hand; made only for a method that selects)."""
         if query.shape[2] != 1:
             return None  # a chunk of several tokens (a question after the prompt) is a prefill: it reads everything
         select = None
         if self.method.selects:
-            select = self.method.select(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions))
+            select = self.method.select(view if view is not None else self.view(layer_idx),
+                                        context if context is not None else self.context(layer_idx, query, positions))
         self._count_reads(int(self.lengths(layer_idx).sum()) if select is None else int((select >= 0).sum()), [layer_idx])
         return select
 
-    def wants_read_weights(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:
-        """Whether the method's read rule takes this decoding read's per-entry weights (OmniKV's filter layers)."""
-        return query.shape[2] == 1 and self.method.selects and self.method.wants_read_weights(self.context(layer_idx, query, positions))
+    def wants_read_weights(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor,
+                           context: LayerContext | None = None) -> bool:
+        """Whether the method's read rule takes this decoding read's per-entry weights (OmniKV's filter layers;
+        ``context``: the layer's, if at hand)."""
+        return (query.shape[2] == 1 and self.method.selects
+                and self.method.wants_read_weights(context if context is not None else self.context(layer_idx, query, positions)))
 
     def read_weights(self, layer_idx: int, view: KVView | None, query: torch.Tensor, positions: torch.Tensor,
-                     weights: torch.Tensor) -> None:
-        """Hand the read rule a decoding read's per-entry weights [B, H, G, L] (``view``: the layer's, if at hand)."""
-        self.method.read_weights(view if view is not None else self.view(layer_idx), self.context(layer_idx, query, positions),
-                                 weights)
+                     weights: torch.Tensor, context: LayerContext | None = None) -> None:
+        """Hand the read rule a decoding read's per-entry weights [B, H, G, L] (``view``, ``context``: the layer's, if
+        at hand)."""
+        self.method.read_weights(view if view is not None else self.view(layer_idx),
+                                 context if context is not None else self.context(layer_idx, query, positions), weights)
 
     def _count_reads(self, read: int, layers: list[int]) -> None:
         """A decoding step's ``read`` entries over ``layers``, beside what a full cache would have read there (``cr``)."""
         self.reads[0] += read
         full = sum(self.layers[i].seen * self.batch_size - self.layers[i].padded for i in layers)
         self.reads[1] += full * self.num_kv_heads
+
+    def _write_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Put a decoding layer's new entries (keys/values [B, H, q, d]) in place. A step of one token of one request
+        is begun at its first layer for every layer at once (``begin_step``: one allocation, one record), then each
+        layer only writes its keys and values where that recorded them (True); anything else appends layer by layer."""
+        if self._step_slots is not None and layer_idx != self._step_layer:
+            self._drop_unwritten()  # the forward that began the step stopped before reaching every layer
+        if layer_idx == 0 and self.batch_size == 1 and key.shape[2] == 1:
+            self._step_slots, self._step_layer = self.begin_step(int(positions[0, -1])), 0
+        if self._step_slots is None:
+            self.append_step(layer_idx, key, value, positions)
+            return False
+        self.pool.write(self._step_slots[layer_idx], key.reshape(-1, key.shape[-1]), value.reshape(-1, value.shape[-1]))
+        self.written(layer_idx)
+        self._step_layer += 1
+        if self._step_layer == self.num_layers:
+            self._step_slots = None
+        return True
+
+    def _drop_unwritten(self) -> None:
+        """Take back what ``begin_step`` recorded in the layers a stopped forward never wrote."""
+        for layer_idx in range(self._step_layer, self.num_layers):
+            self.table.drop_last(self.pool, self.rows(layer_idx))
+            self.layers[layer_idx].count(-1)
+        self._step_slots = None
 
     def append_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         """Write a step's new entries (keys/values [B, H, q, d] at positions [B, q]) of one layer in place."""

@@ -130,9 +130,9 @@ def test_quest_with_its_budget_at_the_context_reads_everything_and_decodes_as_th
 
 # ----- OmniKV ------------------------------------------------------------------------------------
 def test_omnikv_filter_layers_scale_with_depth():
-    assert filter_layers(32) == [2, 8, 18]
-    assert filter_layers(30) == [2, 8, 17]  # the embedded model
-    assert filter_layers(24) == [2, 6, 14]
+    assert filter_layers(32) == (2, 8, 18)
+    assert filter_layers(30) == (2, 8, 17)  # the embedded model
+    assert filter_layers(24) == (2, 6, 14)
     with pytest.raises(ValueError, match="filters"):
         get_method("omnikv", budget=8, filters=())
 

@@ -321,7 +321,8 @@ def test_the_in_place_read_of_deltakv_equals_its_pytorch_path(rows, n, recent, g
     pool, table, gen = _coded_rows(rows, n, recent, dtype, seed, stored)
     pages = table.view(pool).pages
     assert pages is not None and isinstance(pages.arrays()[2], DeltaKVBlocks)
-    pages = pages.select(torch.randint(-1, n, (rows, H, chosen), generator=gen))
+    index = torch.randint(-1, n, (rows, H, chosen), generator=gen)
+    pages = pages.select(index.clamp(min=0), index < 0)
     keys, values, blocks = pages.arrays()
     query = torch.randn(rows, H * groups, D, generator=gen).to(dtype)
     log_weights = [torch.randn(H, chosen, generator=gen) for _ in range(rows)] if weighted else None

@@ -15,6 +15,8 @@ Filter layers: the paper's {2, 8, 18} of 32 layers, scaled to the model's depth
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,9 +30,10 @@ BUDGET = "omnikv_budget"  # a filter layer's read budget [B] this step (None: it
 COLUMNS = "omnikv_columns"  # the last layer's (lengths, positions, columns) this step
 
 
-def filter_layers(num_layers: int, reference: tuple[int, ...] = (2, 8, 18), depth: int = 32) -> list[int]:
+@functools.cache
+def filter_layers(num_layers: int, reference: tuple[int, ...] = (2, 8, 18), depth: int = 32) -> tuple[int, ...]:
     """The paper's filter layers (for a ``depth``-layer model) scaled to ``num_layers``."""
-    return sorted({min(num_layers - 1, round(layer * num_layers / depth)) for layer in reference})
+    return tuple(sorted({min(num_layers - 1, round(layer * num_layers / depth)) for layer in reference}))
 
 
 @dataclass
@@ -62,8 +65,8 @@ class OmniKV(Reads):
         if self.sinks < 0 or self.recent < 1:
             raise ValueError(f"sinks must be ≥ 0 and recent ≥ 1, got {self.sinks}, {self.recent}")
 
-    def filter_layers(self, num_layers: int) -> list[int]:
-        return list(self.filters) if self.filters is not None else filter_layers(num_layers)
+    def filter_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.filters if self.filters is not None else filter_layers(num_layers)
 
     def layers_read_whole(self, num_layers: int) -> tuple[int, ...]:
         """The layers before the first filter layer and the filter layers: they read every entry."""
@@ -102,45 +105,40 @@ class OmniKV(Reads):
         context.step[COLUMNS] = (view.lengths, view.positions, columns)
         return columns
 
-    def protected(self, view) -> torch.Tensor:
-        """bool [B, H, L]: the sinks and the most recent entries of each head, always read."""
+    def held_and_protected(self, view) -> tuple[torch.Tensor, torch.Tensor]:
+        """bool [B, H, L] each: the columns each head holds, and among them its sinks and most recent entries (always
+        read)."""
         columns = torch.arange(view.shape[2], device=view.positions.device)
         lengths = view.lengths.to(view.positions.device)[..., None]
-        return ((columns < self.sinks) | (columns >= lengths - self.recent)) & (columns < lengths)
+        held = columns < lengths
+        return held, ((columns < self.sinks) | (columns >= lengths - self.recent)) & held
 
     def choose(self, view, context, budget: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """bool [B, tokens]: the tokens (by position) the next layers read — the protected ones and the best
         of the rest by the largest attention weight of the step's query (``weights`` [B, H, G, L], the filter
         layer's read's) over every query head, up to the read budget."""
-        b, h, length = view.shape
-        score = weights.amax(dim=2)  # [B, H, L]: the best over each KV head's query group
-        protected = self.protected(view)
+        b = view.shape[0]
         tokens = int(context.tokens_seen.max())
-        positions = view.positions.clamp(max=tokens).reshape(b, -1)  # padding → one spare column
-        wanted = torch.zeros(b, tokens + 1, dtype=torch.bool, device=score.device)
-        wanted.scatter_(1, positions.masked_fill(~protected.reshape(b, -1), tokens), True)
-        wanted[:, tokens] = False
+        held, protected = self.held_and_protected(view)
+        # an entry's score: its best weight over its query group; protected entries first (+inf), padding never (-inf)
+        score = weights.amax(dim=2).masked_fill_(~held, -math.inf).masked_fill_(protected, math.inf)
+        positions = view.positions.clamp(max=tokens).reshape(b, -1)  # padding → one spare column, cut below
         # a token's score: its best over every head of the layer (entries hold a token once per head)
-        valid = view.valid_or_ones().reshape(b, -1)
-        best = torch.full((b, tokens + 1), float("-inf"), device=score.device)
-        best = best.scatter_reduce(1, positions, score.reshape(b, -1).masked_fill(~valid, float("-inf")), reduce="amax")
-        best = best.masked_fill(wanted, float("-inf"))
-        best[:, tokens] = float("-inf")
-        room = (budget.to(score.device) - wanted[:, :tokens].sum(-1)).clamp(min=0)
-        top = best.topk(min(int(room.max()), tokens), dim=-1)
-        take = (torch.arange(top.indices.shape[-1], device=score.device) < room[:, None]) & (top.values > float("-inf"))
-        wanted = wanted.scatter(1, top.indices, take | wanted.gather(1, top.indices))
-        return wanted[:, :tokens]
+        best = torch.full((b, tokens + 1), -math.inf, device=score.device)
+        best = best.scatter_reduce_(1, positions, score.reshape(b, -1), reduce="amax")[:, :tokens]
+        count = torch.maximum(budget.to(score.device), (best == math.inf).sum(-1))  # every protected token, at least
+        top = best.topk(min(int(count.max()), tokens), dim=-1)
+        take = (torch.arange(top.indices.shape[-1], device=score.device) < count[:, None]) & (top.values > -math.inf)
+        return torch.zeros(b, tokens, dtype=torch.bool, device=score.device).scatter_(1, top.indices, take)
 
     def columns(self, view, wanted: torch.Tensor) -> torch.Tensor:
         """Indices [B, H, k] of this layer's entries holding the ``wanted`` tokens (bool [B, tokens]) and its
         own protected ones (they differ from the filter layer's when a compressed prompt left each layer
         other tokens), -1 past each head's own count."""
-        b, _, length = view.shape
-        tokens = wanted.shape[1]
-        spare = torch.cat([wanted, torch.zeros(b, 1, dtype=torch.bool, device=wanted.device)], dim=1)
-        index = view.positions.clamp(max=tokens).reshape(b, -1)
-        read = (spare.gather(1, index).view(view.shape) & view.valid_or_ones()) | self.protected(view)
+        b, tokens = wanted.shape
+        held, protected = self.held_and_protected(view)
+        index = view.positions.clamp(max=tokens - 1).reshape(b, -1)  # padding: any column (not held)
+        read = (wanted.gather(1, index).view(view.shape) & held) | protected
         return true_columns(read)
 
 

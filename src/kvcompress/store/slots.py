@@ -596,6 +596,18 @@ class SlotTable:
         self._record(pool, ids, None, None, _all(rows), pages=False)
 
     @_plain_tensors
+    def drop_last(self, pool: SlotPool, rows: Rows = None) -> None:
+        """Take back the last entry of each head of ``rows`` (one ``append_slots`` recorded for a decoding step whose
+        forward stopped before their layer wrote it) and let go of its slot."""
+        rows = _all(rows)
+        last = (self.lengths[rows] - 1).to(self.device)[..., None, None].expand(-1, -1, 1, 2)  # [r, H, 1, 2]
+        ids = self.ids[rows]
+        slots = ids.gather(2, last)[..., 0]
+        ids.scatter_(2, last, PAD_IDS.to(self.device).expand_as(last).contiguous())
+        self.lengths[rows] -= 1
+        pool.release(slots)
+
+    @_plain_tensors
     def written(self, pool: SlotPool, rows: Rows = None) -> None:
         """The last entry of each head of ``rows`` (recorded by ``append_slots``) now holds its key in the pool: the
         page bounds follow (``_pages_after_one``)."""

@@ -76,12 +76,11 @@ class Pages:
     lengths: torch.Tensor
     log_weights: list[torch.Tensor | None]
 
-    def select(self, index: torch.Tensor) -> Pages:
-        """The entries at ``index`` [B, H, k] of each head (-1: a hole)."""
-        hole, safe = index < 0, index.clamp(min=0).long()
+    def select(self, safe: torch.Tensor, hole: torch.Tensor) -> Pages:
+        """The entries at ``safe`` [B, H, k] (int64, ≥ 0) of each head, but holes where ``hole`` (bool [B, H, k])."""
         tables = [t.gather(-1, safe[r]).masked_fill_(hole[r], 0) for r, t in enumerate(self.tables)]
         weights = [None if w is None else w.gather(-1, safe[r]) for r, w in enumerate(self.log_weights)]
-        return Pages(self.arrays, tables, torch.full(index.shape[:2], index.shape[2], dtype=torch.long), weights)
+        return Pages(self.arrays, tables, torch.full(safe.shape[:2], safe.shape[2], dtype=torch.long), weights)
 
 
 class KVView:
@@ -218,7 +217,7 @@ class KVView:
         """The entries at ``index`` [B, H, k] of each head (-1: nothing, a padding entry); only those are
         materialized."""
         hole = index < 0
-        safe = index.clamp(min=0)
+        safe = index.clamp(min=0).long()
         pick = lambda t: None if t is None else t.gather(-1, safe)  # noqa: E731
         if self._kv is not None:
             wide = safe[..., None].expand(*safe.shape, self.keys.shape[-1])
@@ -230,7 +229,7 @@ class KVView:
         return KVView(positions, (~hole).sum(-1).cpu(), shape=index.shape, load=load,
                       keys=keys, values=values, log_weights=pick(self.log_weights),
                       channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary,
-                      pages=lambda: None if self.pages is None else self.pages.select(index))
+                      pages=lambda: None if self.pages is None else self.pages.select(safe, hole))
 
     def flat(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, H, L, ...] → the real entries [N, ...], head after head."""
