@@ -448,8 +448,9 @@ class SlotTable:
         log_weights = None if log_weights is None else weights[..., log_weights]
         lengths = self.lengths[rows].clone()
         return KVView(
-            ids[..., 1].long(),
+            lambda: ids[..., 1].long(),  # a read in place needs none
             lengths,
+            shape=ids.shape[:3],
             uniform=uniform,
             load=lambda index: pool.gather(slots if index is None else slots.gather(-1, index)),
             log_weights=log_weights,
