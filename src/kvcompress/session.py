@@ -303,12 +303,12 @@ class Session:
         output [B, Hq, q, d]."""
         begun = self._write_step(layer_idx, key, value, positions)
         view = self.view(layer_idx)
-        context = self.context(layer_idx, query, positions) if self.method.selects else None
-        # a step begun for every layer counted the reads of a method that does not choose them per layer
-        select = self.select(layer_idx, view, query, positions, context) if not begun or self.acts_per_layer else None
+        context = self.context(layer_idx, query, positions) if self.acts_per_layer else None
+        # a step begun for every layer counted the reads of a method that does not choose them
+        select = self.select(layer_idx, view, query, positions, context) if not begun or self.method.selects else None
         weights = self.wants_read_weights(layer_idx, query, positions, context)
         result = read(query, positions, view, self.layers[layer_idx].scaling, select=select,
-                      col_sums=self.wants_col_sums(layer_idx, query, positions), weights=weights)
+                      col_sums=self.wants_col_sums(layer_idx, query, positions, context), weights=weights)
         if weights:
             self.read_weights(layer_idx, view, query, positions, result.weights, context)
         self.after_read(layer_idx, query, positions, result.col_sums, view, hidden)
@@ -382,9 +382,9 @@ class Session:
     def begin_step(self, position: int) -> torch.Tensor:
         """The engine's decoding step of one token at ``position``, before its forward: a slot per (layer, KV head)
         taken and recorded in every layer at once, so that a layer's read only needs its keys and values written
-        there (``SlotPool.write``), then ``written``. Returns the slots [num_layers, H]. A method that neither
-        selects nor acts while decoding has its reads counted here, for every layer (its entries do not change
-        during the step)."""
+        there (``SlotPool.write``), then ``written``. Returns the slots [num_layers, H]. A method that does not select
+        has its reads counted here, for every layer: a layer reads all it holds now, since a method acting while
+        decoding changes a layer only after that layer's read."""
         if self.batch_size != 1:
             raise ValueError("begin_step: a session of one request (the engine's); decode a batch layer by layer")
         self._start_step()
@@ -398,7 +398,7 @@ class Session:
             raise
         for layer in self.layers:
             layer.count(1)
-        if not self.acts_per_layer:
+        if not self.method.selects:
             self._count_reads(self.table.num_entries(), list(range(self.num_layers)))
         return slots
 
@@ -444,10 +444,13 @@ class Session:
     def _coding_due(self, layer_idx: int) -> bool:
         return bool(self.code_tier) and self.layers[layer_idx].uncoded >= self.pool.tiers[self.code_tier - 1].codec.chunk
 
-    def wants_col_sums(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> bool:
-        """Whether the method needs this step's per-entry column sums from the read."""
+    def wants_col_sums(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor,
+                       context: LayerContext | None = None) -> bool:
+        """Whether the method needs this step's per-entry column sums from the read (``context``: the layer's, if at
+        hand)."""
         method = self.method
-        return method.acts_while_decoding and method.wants_col_sums(self.context(layer_idx, query, positions))
+        return method.acts_while_decoding and method.wants_col_sums(
+            context if context is not None else self.context(layer_idx, query, positions))
 
     def after_read(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor, col_sums: torch.Tensor | None,
                    view: KVView | None = None, hidden: torch.Tensor | None = None) -> None:

@@ -204,6 +204,10 @@ def test_cr_is_the_entries_read_per_decoding_step_over_the_steps():
     model.generate(ids, past_key_values=snap, max_new_tokens=5, do_sample=False, pad_token_id=0)
     # snapkv holds 20 (+ the tokens decoded) of 60 (+ those): four decoding steps read 21..24 of 61..64
     assert snap.stats()["cr"] == pytest.approx(sum(range(21, 25)) / sum(range(61, 65)))
+    # H2O evicts back to 20 after each layer's read, so every step reads 21 (counted once, when the step begins)
+    h2o = kvc.CompressedCache(model, get_method("h2o", budget=20))
+    model.generate(ids, past_key_values=h2o, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert h2o.stats()["cr"] == pytest.approx(4 * 21 / sum(range(61, 65)))
     quest = get_method("quest", budget=24, page_size=4, sinks=2, recent=4, dense_layers=1)
     calls = record_selections(quest)
     cache = kvc.CompressedCache(model, quest)

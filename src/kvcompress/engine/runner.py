@@ -135,13 +135,14 @@ class _Step:
                                                                          keys.shape[-1])
 
     def joint_select(self, layer_idx: int, query, positions, length: int) -> torch.Tensor | None:
-        """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows
-        may choose), as one index [R, H, k] into the joint view of ``length`` columns (-1: none); None when every
-        request reads all."""
+        """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows whose
+        method selects choose, and have their reads counted: the others' were at ``begin_step``), as one index
+        [R, H, k] into the joint view of ``length`` columns (-1: none); None when every request reads all."""
         sessions, device = self.sessions, self.runner.device
         chosen: list[torch.Tensor | None] = [None] * len(sessions)
         for r in self.acting:
-            chosen[r] = sessions[r].select(layer_idx, None, query[r : r + 1], positions[r : r + 1])
+            if sessions[r].method.selects:
+                chosen[r] = sessions[r].select(layer_idx, None, query[r : r + 1], positions[r : r + 1])
         if all(c is None for c in chosen):
             return None
         rows = []
