@@ -235,31 +235,35 @@ def test_a_fixed_pools_coded_tiers_draw_on_its_byte_budget():
 
 
 @settings(max_examples=30, deadline=None)
-@given(lengths=st.lists(st.integers(0, 20), min_size=2, max_size=2), steps=st.integers(1, 12), page_size=st.sampled_from([1, 3, 4]),
+@given(lengths=st.lists(st.integers(0, 20), min_size=6, max_size=6), steps=st.integers(1, 12), page_size=st.sampled_from([1, 3, 4]),
        seed=st.integers(0, 10**6))
 def test_entries_recorded_before_their_keys_get_the_page_bounds_of_an_append(lengths, steps, page_size, seed):
-    """The engine's step: ``append_slots`` records a slot per head, the key is written there afterwards, then
-    ``written``; the full pages' bounds equal those of appending the same keys, and the keys' min and max (ragged
-    heads, pages that start or fill)."""
+    """The engine's step: ``append_slots`` records a slot per head of every row (a layer each), each row's keys are
+    written there afterwards, then ``written`` for that row; the full pages' bounds equal those of appending the same
+    keys, and the keys' min and max (ragged heads and rows, pages that start or fill, rows with no page to change)."""
     gen = torch.Generator().manual_seed(seed)
-    pool, engine, plain = SlotPool(DIM), SlotTable(1, 2, page_size=page_size), SlotTable(1, 2, page_size=page_size)
-    longest = max(lengths)
-    prompt = torch.randn(1, 2, longest, DIM, generator=gen)
-    keep = torch.arange(longest) < torch.tensor(lengths)[:, None]  # ragged heads: the first lengths[h] kept
+    rows = 3
+    pool, engine, plain = SlotPool(DIM), SlotTable(rows, 2, page_size=page_size), SlotTable(rows, 2, page_size=page_size)
+    lengths = torch.tensor(lengths).view(rows, 2)
+    longest = int(lengths.max())
+    prompt = torch.randn(rows, 2, longest, DIM, generator=gen)
+    keep = torch.arange(longest) < lengths[..., None]  # ragged heads: the first lengths[r, h] kept
     for table in (engine, plain):
-        table.append(pool, prompt, prompt, torch.arange(longest).expand(1, longest))
+        table.append(pool, prompt, prompt, torch.arange(longest).expand(rows, longest))
         if longest:
-            table.apply(pool, Edit(keep=keep[None]))
+            table.apply(pool, Edit(keep=keep))
     for step in range(steps):
-        keys = torch.randn(1, 2, 1, DIM, generator=gen)
-        plain.append(pool, keys, keys, torch.tensor([[100 + step]]))
-        slots = pool.allocate(2).view(1, 2, 1)
-        engine.append_slots(pool, slots, torch.tensor([[100 + step]]))
-        pool.write(slots.reshape(-1), keys.reshape(2, DIM), keys.reshape(2, DIM))
-        engine.written(pool)
-        pages = -(-int(plain.lengths.max()) // page_size)
+        keys = torch.randn(rows, 2, 1, DIM, generator=gen)
+        position = torch.full((rows, 1), 100 + step)
+        plain.append(pool, keys, keys, position)
+        slots = pool.allocate(rows * 2).view(rows, 2, 1)
+        engine.append_slots(pool, slots, position)
+        for r in range(rows):  # layer by layer, as a forward writes them
+            pool.write(slots[r].reshape(-1), keys[r].reshape(2, DIM), keys[r].reshape(2, DIM))
+            engine.written(pool, slice(r, r + 1))
         assert torch.equal(engine.lengths, plain.lengths)
-        for h in range(2):
-            full = int(plain.lengths[0, h]) // page_size
-            assert torch.equal(engine.page_bounds[0, h, :full], plain.page_bounds[0, h, :full]), (step, h, pages)
+        for r in range(rows):
+            for h in range(2):
+                full = int(plain.lengths[r, h]) // page_size
+                assert torch.equal(engine.page_bounds[r, h, :full], plain.page_bounds[r, h, :full]), (step, r, h)
         _check_page_bounds(engine, engine.view(pool))

@@ -333,6 +333,7 @@ class SlotTable:
         self.lengths = torch.zeros(rows, heads, dtype=torch.long, device="cpu")  # sizes are decided on the CPU
         self.page_size = page_size
         self.page_bounds: torch.Tensor | None = None  # [R, H, pages, 2, d]: per page of entries, each channel's min and max key
+        self._pages_due: set[int] | None = None  # rows whose page bounds the last ``append_slots`` may change (None: any)
 
     # ----- sizes and named parts -------------------------------------------------------------
     @property
@@ -593,8 +594,15 @@ class SlotTable:
         entries before the forward writes them, layer by layer); once a row's are written, ``written`` brings
         its page bounds up to date."""
         r, h, q = slots.shape
+        rows = _all(rows)
         ids = torch.stack([slots.to(torch.int32), positions[:, None, :].expand(r, h, q).to(torch.int32)], dim=-1)
-        self._record(pool, ids, None, None, _all(rows), pages=False)
+        counts = self.lengths[rows].tolist() if self.page_size else None
+        self._record(pool, ids, None, None, rows, pages=False)
+        if counts is not None:  # the rows whose entry fills a page, or outgrows the bounds: once, not a layer at a time
+            room = 0 if self.page_bounds is None else self.page_bounds.shape[2] * self.page_size
+            first = range(self.num_rows)[rows].start
+            self._pages_due = {first + i for i, heads in enumerate(counts)
+                               if max(heads) >= room or any((n + 1) % self.page_size == 0 for n in heads)}
 
     @_plain_tensors
     def drop_last(self, pool: SlotPool, rows: Rows = None) -> None:
@@ -615,6 +623,8 @@ class SlotTable:
         if not self.page_size:
             return
         rows = _all(rows)
+        if self._pages_due is not None and self._pages_due.isdisjoint(range(self.num_rows)[rows]):
+            return  # no page of these rows fills with this entry
         self._pages_after_one(pool, rows, self.lengths[rows] - 1)
 
     def _record(self, pool: SlotPool, ids: torch.Tensor, added: torch.Tensor | None, weights: torch.Tensor | None,
@@ -623,6 +633,7 @@ class SlotTable:
         them per head, left-aligned; None = all q); ``weights`` [r, H, q, C] (None: zeros). ``pages``: bring
         the page bounds up to date now (False: the keys are not written yet, see ``append_slots``)."""
         r, h, q, _ = ids.shape
+        self._pages_due = None
         longest, uniform = self.span(rows)
         self._reserve(longest + q)
         if uniform and added is None:  # every head as long: the new entries go in one block of columns
