@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvcompress.read import decode_weights, read
 from kvcompress.kernels import cpu_kernels
 from kvcompress.read.paged import paged_decode, paged_decode_torch
-from kvcompress.read.pages import top_pages, top_pages_torch
+from kvcompress.read.pages import page_bounds, page_bounds_torch, top_pages, top_pages_torch
 from kvcompress.read.reference import read_reference
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
@@ -350,6 +350,24 @@ def test_the_compiled_top_pages_equal_the_reference(rows, heads, group, total, p
     assert expected.shape == (rows, heads, width + pages * page_size)
     assert torch.equal(cpu_kernels().top_pages(*args), expected)
     assert torch.equal(top_pages(*args), expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 2), heads=st.integers(1, 3), group=st.integers(1, 4), pages=st.integers(0, 20), spare=st.integers(0, 5),
+       d=st.sampled_from([1, 8, 13, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**16))
+def test_the_compiled_page_bounds_equal_the_reference(rows, heads, group, pages, spare, d, dtype, seed):
+    """Each page's bound, compiled, as the PyTorch reference gives it (float32 sums in another order), from the bounds
+    as the store holds them: a view of the first pages of a longer array, in the keys' dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, heads, group, d, generator=gen) * 3
+    held = torch.randn(rows, heads, pages + spare, 2, d, generator=gen).sort(dim=3).values.to(dtype)  # min ≤ max
+    bounds = held[:, :, :pages]
+    expected = page_bounds_torch(query, bounds)
+    assert expected.shape == (rows, heads, group, pages)
+    scale = 1e-5 * (1 + float(query.abs().sum(-1).max()) * float(held.float().abs().max())) if pages else 0.0
+    torch.testing.assert_close(cpu_kernels().page_bounds(query, bounds), expected, atol=scale, rtol=1e-5)
+    torch.testing.assert_close(page_bounds(query, bounds), expected, atol=scale, rtol=1e-5)
 
 
 def test_a_read_hands_out_its_weights_in_the_views_columns():

@@ -4,7 +4,7 @@ import build; build()"`` builds it by hand). Each C++ file's header comment give
 PyTorch path beside its caller, the reference it is tested against and what runs where the module cannot be built:
 
 * ``paged_decode.cpp``: the decoding read over slot tables (``read/paged.py``);
-* ``top_pages.cpp``: Quest's best pages as entry columns (``read/pages.py``);
+* ``top_pages.cpp``: Quest's page bounds and best pages as entry columns (``read/pages.py``);
 * ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``), and read in place by a decoding read
   (``read/paged.py``);
 * ``decoder_ops.cpp``: the engine decoder's norms, RoPE and SiLU, one pass each (``engine/decoder.py``);

@@ -10,9 +10,8 @@ from common import tiny_model
 import kvcompress as kvc
 from kvcompress.methods import get_method
 from kvcompress.methods.omnikv import STEP, filter_layers
-from kvcompress.methods.quest import page_bounds
 from kvcompress.methods.selection import true_columns
-from kvcompress.read import attend_reference, attention_probs, group_queries, read
+from kvcompress.read import attend_reference, attention_probs, group_queries, page_bounds, read
 from kvcompress.store.slots import SlotPool, SlotTable
 from kvcompress.store.view import Edit
 

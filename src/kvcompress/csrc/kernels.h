@@ -158,6 +158,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, double scaling, co
 
 at::Tensor top_pages(const at::Tensor& bound, const at::Tensor& useful, const at::Tensor& count, const at::Tensor& protected_columns,
                      const at::Tensor& open, int64_t page_size, int64_t pages);
+at::Tensor page_bounds(const at::Tensor& query, const at::Tensor& bounds);
 
 std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Tensor& codes, const at::Tensor& code_zero,
                                         const at::Tensor& code_scale, const at::Tensor& refs, const at::Tensor& positions,

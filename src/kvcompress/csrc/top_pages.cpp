@@ -1,5 +1,11 @@
-// The best pages of each KV head by their bound, as the entry columns a decoding read takes (Quest's choice). The
-// contract is read/pages.py's `top_pages`; its PyTorch path is the reference, and this gives the same columns.
+// The best pages of each KV head by their bound, as the entry columns a decoding read takes (Quest's choice), and the
+// bounds themselves. The contracts are read/pages.py's `top_pages` and `page_bounds`; their PyTorch paths are the
+// references: this gives the same columns, and the same bounds but for the order of a sum.
+//
+// page_bounds: per (row b, head h, query head g, page p), the upper bound of q·k over the page,
+// Σ_c min(q_c, 0)·min_c + max(q_c, 0)·max_c, from query[b, h, g] (float32 [B, H, G, d]) and the page's per-channel
+// minimum and maximum key bounds[b, h, p, 0 | 1] ([B, H, P, 2, d] in the keys' dtype, any strides over B, H and P: a view
+// of the store's own bounds), summed in float32.
 //
 // Per (row b, head h): a page's score is the largest of its G query heads' bounds bound[b, h, :, p] where useful[b, h, p],
 // else -inf; the pages are ranked by score, of equal scores the earlier page first (a stable descending sort), and
@@ -11,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -64,6 +71,51 @@ at::Tensor top_pages(const at::Tensor& bound, const at::Tensor& useful, const at
         }
       }
     }
+  });
+  return out;
+}
+
+template <typename scalar_t>
+void page_bounds_of(const float* query, const scalar_t* bounds, const std::array<int64_t, 3>& strides, int64_t rows,
+                    int64_t heads, int64_t group, int64_t pages, int64_t d, float* out) {
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> negative(group * d), positive(group * d);
+    for (int64_t head = begin; head < end; ++head) {
+      const float* q = query + head * group * d;
+      for (int64_t c = 0; c < group * d; ++c) {
+        negative[c] = std::min(q[c], 0.f);
+        positive[c] = std::max(q[c], 0.f);
+      }
+      const scalar_t* head_bounds = bounds + (head / heads) * strides[0] + (head % heads) * strides[1];
+      float* head_out = out + head * group * pages;
+      for (int64_t p = 0; p < pages; ++p) {
+        const scalar_t* low = head_bounds + p * strides[2];
+        const scalar_t* high = low + d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* neg = negative.data() + g * d;
+          const float* pos = positive.data() + g * d;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < d; ++c) sum += neg[c] * to_float(low[c]) + pos[c] * to_float(high[c]);
+          head_out[g * pages + p] = sum;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor page_bounds(const at::Tensor& query, const at::Tensor& bounds) {
+  TORCH_CHECK(query.dim() == 4 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: float32 [B, H, G, d], contiguous");
+  const int64_t rows = query.size(0), heads = query.size(1), group = query.size(2), d = query.size(3);
+  TORCH_CHECK(bounds.dim() == 5 && bounds.size(0) == rows && bounds.size(1) == heads && bounds.size(3) == 2 && bounds.size(4) == d &&
+                  bounds.stride(4) == 1 && bounds.stride(3) == d,
+              "bounds: [B, H, P, 2, d], each page's minimum and maximum contiguous");
+  const int64_t pages = bounds.size(2);
+  auto out = at::empty({rows, heads, group, pages}, query.options());
+  const std::array<int64_t, 3> strides = {bounds.stride(0), bounds.stride(1), bounds.stride(2)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bounds.scalar_type(), "page_bounds", [&] {
+    page_bounds_of<scalar_t>(query.data_ptr<float>(), bounds.data_ptr<scalar_t>(), strides, rows, heads, group, pages, d,
+                             out.data_ptr<float>());
   });
   return out;
 }

@@ -22,18 +22,8 @@ from typing import ClassVar
 
 import torch
 
-from ..read import group_queries, top_pages
+from ..read import group_queries, page_bounds, top_pages
 from .parts import Needs, Reads
-
-
-def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """Upper bounds of q·k over each page, [B, H, G, pages]: Σ_c max(q_c·min_c, q_c·max_c) for grouped
-    queries [B, H, G, d] and page bounds [B, H, pages, 2, d] (min, max per channel)."""
-    q = query.float()
-    # max(q_c·min_c, q_c·max_c) = min(q_c, 0)·min_c + max(q_c, 0)·max_c (min_c ≤ max_c): one product of [q⁻, q⁺] with
-    # each page's [min, max] (the bounds' own layout, flattened)
-    signed = torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)  # [B, H, G, 2d]
-    return signed @ bounds.float().flatten(-2).transpose(-1, -2)
 
 
 PLAN = "quest_plan"  # the last layer's (lengths, tokens seen, _Plan) this step
@@ -130,4 +120,4 @@ class _Plan:
     open: torch.Tensor
 
 
-__all__ = ["Quest", "page_bounds"]
+__all__ = ["Quest"]

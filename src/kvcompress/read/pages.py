@@ -8,9 +8,14 @@ first ``pages`` are laid out page after page: column p · page_size + t where th
 [B, H] best, scores above -inf, and ``open`` [B, H, P · page_size] holds at that column, else -1 (a hole). The head's
 ``protected`` columns [B, H, W] (-1: none) come first, as given. Bounds are never NaN.
 
-On the CPU the compiled kernel (``kvcompress/csrc/top_pages.cpp``, built with the decoding read's) does it in one call per layer
-(the PyTorch path is a score of small operations, each paying its dispatch); elsewhere, or where the kernel is not
-built, ``top_pages_torch``, the reference it is tested against.
+    page_bounds(query, bounds) -> bound [B, H, G, P]
+
+The bound itself: for grouped queries [B, H, G, d] and each page's per-channel minimum and maximum key ``bounds``
+[B, H, P, 2, d] (the store's), Σ_c max(q_c·min_c, q_c·max_c), the largest q·k any key inside the page can reach.
+
+On the CPU the compiled kernels (``kvcompress/csrc/top_pages.cpp``, built with the decoding read's) do each in one call per
+layer (the PyTorch paths are a score of small operations, each paying its dispatch); elsewhere, or where the kernels are
+not built, ``top_pages_torch`` and ``page_bounds_torch``, the references they are tested against.
 """
 
 from __future__ import annotations
@@ -30,6 +35,23 @@ def top_pages(bound: torch.Tensor, useful: torch.Tensor, count: torch.Tensor, pr
                             protected.long().contiguous(), open_columns.contiguous(), page_size, pages)
 
 
+def page_bounds(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Upper bounds of q·k over each page [B, H, G, P], float32 (see the module docstring)."""
+    kernel = cpu_kernels() if query.device.type == "cpu" else None
+    if kernel is None:
+        return page_bounds_torch(query, bounds)
+    return kernel.page_bounds(query.float().contiguous(), bounds)
+
+
+def page_bounds_torch(query: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """``page_bounds`` in plain PyTorch: the reference."""
+    q = query.float()
+    # max(q_c·min_c, q_c·max_c) = min(q_c, 0)·min_c + max(q_c, 0)·max_c (min_c ≤ max_c): one product of [q⁻, q⁺] with
+    # each page's [min, max] (the bounds' own layout, flattened)
+    signed = torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)  # [B, H, G, 2d]
+    return signed @ bounds.float().flatten(-2).transpose(-1, -2)
+
+
 def top_pages_torch(bound: torch.Tensor, useful: torch.Tensor, count: torch.Tensor, protected: torch.Tensor,
                     open_columns: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
     """``top_pages`` in plain PyTorch: the reference."""
@@ -42,4 +64,4 @@ def top_pages_torch(bound: torch.Tensor, useful: torch.Tensor, count: torch.Tens
     return torch.cat([protected.long(), columns.masked_fill(~inside, -1)], dim=-1)
 
 
-__all__ = ["top_pages", "top_pages_torch"]
+__all__ = ["page_bounds", "page_bounds_torch", "top_pages", "top_pages_torch"]
