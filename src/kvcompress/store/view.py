@@ -90,7 +90,7 @@ class KVView:
         positions: int64 [B, H, L], original token positions (padding holds a position after
             every real one, so causality alone hides it); or a function giving them on first use
             (then ``shape`` is required).
-        lengths: int64 [B, H] on the CPU, entries per head.
+        lengths: int64 [B, H] on the CPU, entries per head; or a function giving them on first use.
         load: ``load(index)`` returns (keys, values) [B, H, L, d] — or, given an index [B, H, k],
             only those entries — on first access (None: give them directly).
         keys, values: the entries, when already materialized.
@@ -110,7 +110,7 @@ class KVView:
     def __init__(
         self,
         positions: torch.Tensor | Callable[[], torch.Tensor],
-        lengths: torch.Tensor,
+        lengths: torch.Tensor | Callable[[], torch.Tensor],
         *,
         load: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None = None,
         keys: torch.Tensor | None = None,
@@ -130,7 +130,7 @@ class KVView:
             raise ValueError("a KVView with lazy positions needs its shape")
         self._positions = positions
         self._shape = tuple(shape) if shape is not None else tuple(positions.shape)  # type: ignore[union-attr]
-        self.lengths = lengths
+        self._lengths = lengths
         self._log_weights = log_weights
         self._pages = pages
         self.channels = dict(channels or {})
@@ -155,6 +155,12 @@ class KVView:
         if callable(self._positions):
             self._positions = self._positions()
         return self._positions
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        if callable(self._lengths):
+            self._lengths = self._lengths()
+        return self._lengths
 
     @property
     def log_weights(self) -> torch.Tensor | None:
@@ -226,7 +232,7 @@ class KVView:
             keys = values = None
             load = lambda _: self._load(safe)  # noqa: E731
         positions = lambda: self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION)  # noqa: E731 (a read in place needs none)
-        return KVView(positions, (~hole).sum(-1).cpu(), shape=index.shape, load=load,
+        return KVView(positions, lambda: (~hole).sum(-1).cpu(), shape=index.shape, load=load,
                       keys=keys, values=values, log_weights=pick(self.log_weights),
                       channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary,
                       pages=lambda: None if self.pages is None else self.pages.select(safe, hole))
