@@ -298,8 +298,8 @@ class Session:
     # ----- decoding --------------------------------------------------------------------------
     def decode(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                scaling: float | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Append a step's entries (keys/values [B, H, q, d] at positions [B, q]), read, let the method
-        act (``hidden`` [B, q, D]: the step's attention input, for methods that need ``hidden_states``):
+        """Put a step's entries (keys/values [B, H, q, d] at positions [B, q]) in place (``_write_step``), read, let
+        the method act (``hidden`` [B, q, D]: the step's attention input, for methods that need ``hidden_states``):
         output [B, Hq, q, d]."""
         begun = self._write_step(layer_idx, key, value, positions)
         view = self.view(layer_idx)
