@@ -256,6 +256,11 @@ class Session:
         return LayerContext(layer_idx, self.num_layers, layer.scaling, layer.tokens_seen, observations, layer.state,
                             module, self.rotary, query, query_positions, self.notes, self._step)
 
+    def _context_or_new(self, context: LayerContext | None, layer_idx: int, query: torch.Tensor,
+                        positions: torch.Tensor) -> LayerContext:
+        """``context`` where a caller made the layer's already, else a new one for the step's query."""
+        return context if context is not None else self.context(layer_idx, query, positions)
+
     def view(self, layer_idx: int) -> KVView:
         return self.table.view(self.pool, self.rows(layer_idx), self.layers[layer_idx].summary)
 
@@ -323,7 +328,7 @@ class Session:
         select = None
         if self.method.selects:
             select = self.method.select(view if view is not None else self.view(layer_idx),
-                                        context if context is not None else self.context(layer_idx, query, positions))
+                                        self._context_or_new(context, layer_idx, query, positions))
         self._count_reads(int(self.lengths(layer_idx).sum()) if select is None else int((select >= 0).sum()), [layer_idx])
         return select
 
@@ -332,14 +337,14 @@ class Session:
         """Whether the method's read rule takes this decoding read's per-entry weights (OmniKV's filter layers;
         ``context``: the layer's, if at hand)."""
         return (query.shape[2] == 1 and self.method.selects
-                and self.method.wants_read_weights(context if context is not None else self.context(layer_idx, query, positions)))
+                and self.method.wants_read_weights(self._context_or_new(context, layer_idx, query, positions)))
 
     def read_weights(self, layer_idx: int, view: KVView | None, query: torch.Tensor, positions: torch.Tensor,
                      weights: torch.Tensor, context: LayerContext | None = None) -> None:
         """Hand the read rule a decoding read's per-entry weights [B, H, G, L] (``view``, ``context``: the layer's, if
         at hand)."""
         self.method.read_weights(view if view is not None else self.view(layer_idx),
-                                 context if context is not None else self.context(layer_idx, query, positions), weights)
+                                 self._context_or_new(context, layer_idx, query, positions), weights)
 
     def _count_reads(self, read: int, layers: list[int]) -> None:
         """A decoding step's ``read`` entries over ``layers``, beside what a full cache would have read there (``cr``)."""
@@ -450,7 +455,7 @@ class Session:
         hand)."""
         method = self.method
         return method.acts_while_decoding and method.wants_col_sums(
-            context if context is not None else self.context(layer_idx, query, positions))
+            self._context_or_new(context, layer_idx, query, positions))
 
     def after_read(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor, col_sums: torch.Tensor | None,
                    view: KVView | None = None, hidden: torch.Tensor | None = None) -> None:

@@ -100,13 +100,15 @@ class _Step:
                                     None if self.lengths is None else self.lengths[layer_idx])
         if not acting:  # every request reads all it holds, and no method acts
             return read(query, positions, view, scaling).out
-        wants = {r: sessions[r].wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1]) for r in acting}
-        select = self.joint_select(layer_idx, query, positions, view.shape[2])
-        weighing = [r for r in acting if sessions[r].wants_read_weights(layer_idx, query[r : r + 1], positions[r : r + 1])]
+        contexts = {r: sessions[r].context(layer_idx, query[r : r + 1], positions[r : r + 1]) for r in acting}  # one a row
+        wants = {r: sessions[r].wants_col_sums(layer_idx, query[r : r + 1], positions[r : r + 1], contexts[r]) for r in acting}
+        select = self.joint_select(layer_idx, query, positions, view.shape[2], contexts)
+        weighing = [r for r in acting if sessions[r].wants_read_weights(layer_idx, query[r : r + 1], positions[r : r + 1], contexts[r])]
         result = read(query, positions, view, scaling, select=select, col_sums=any(wants.values()), weights=bool(weighing))
         for r in weighing:
             length = int(sessions[r].lengths(layer_idx).max())
-            sessions[r].read_weights(layer_idx, None, query[r : r + 1], positions[r : r + 1], result.weights[r : r + 1, ..., :length])
+            sessions[r].read_weights(layer_idx, None, query[r : r + 1], positions[r : r + 1], result.weights[r : r + 1, ..., :length],
+                                     contexts[r])
         for r in acting:
             session = sessions[r]
             sums = None
@@ -134,15 +136,16 @@ class _Step:
         return self.slots[layer_idx], keys, values, *compiled_arguments(pages.tables, pages.lengths, pages.log_weights, coded,
                                                                          keys.shape[-1])
 
-    def joint_select(self, layer_idx: int, query, positions, length: int) -> torch.Tensor | None:
+    def joint_select(self, layer_idx: int, query, positions, length: int, contexts: dict) -> torch.Tensor | None:
         """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows whose
         method selects choose, and have their reads counted: the others' were at ``begin_step``), as one index
-        [R, H, k] into the joint view of ``length`` columns (-1: none); None when every request reads all."""
+        [R, H, k] into the joint view of ``length`` columns (-1: none); None when every request reads all.
+        ``contexts``: each acting row's ``LayerContext`` of the layer."""
         sessions, device = self.sessions, self.runner.device
         chosen: list[torch.Tensor | None] = [None] * len(sessions)
         for r in self.acting:
             if sessions[r].method.selects:
-                chosen[r] = sessions[r].select(layer_idx, None, query[r : r + 1], positions[r : r + 1])
+                chosen[r] = sessions[r].select(layer_idx, None, query[r : r + 1], positions[r : r + 1], contexts[r])
         if all(c is None for c in chosen):
             return None
         rows = []

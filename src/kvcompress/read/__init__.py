@@ -141,10 +141,10 @@ __all__ = [
     "decode_weights",
     "group_queries",
     "merge_lse",
+    "page_bounds",
     "prompt_attention",
     "prompt_attention_with_sums",
     "read",
     "replay_attention",
-    "page_bounds",
     "top_pages",
 ]
