@@ -68,34 +68,39 @@ def test_merge_with_empty_side_is_identity():
     assert torch.equal(merged, out) and torch.equal(merged_lse, lse)
 
 
-class _ExactSummary:
-    """A summary that is exact attention over a held-out set (what MomentKV approximates)."""
+class _SharedKeySummary:
+    """The exact summary of held-out entries that share one key per head (an affine read, as MomentKV's): their
+    output is their mean value whatever the query, their log partition function log n + τ·qᵀk."""
 
-    def __init__(self, keys, values, positions):
-        self.keys, self.values, self.positions = keys, values, positions
+    def __init__(self, key, values):
+        self.key, self.values = key, values  # [B, H, d], [B, H, n, d]
 
-    def attend(self, query, scaling):
-        qpos = torch.full(query.shape[:1] + query.shape[3:4], 10**6)
-        out, lse, _ = attend_reference(query, self.keys, self.values, scaling, query_positions=qpos, key_positions=self.positions)
-        return out, lse
+    def readout(self, scaling):
+        b, h, d = self.key.shape
+        matrix = torch.cat([torch.zeros(b, h, d, d), scaling * self.key[:, :, None, :]], dim=2)
+        count = torch.full((b, h, 1), float(self.values.shape[2]))
+        return matrix, torch.cat([self.values.mean(dim=2), count.log()], dim=-1)
 
     def nbytes(self):
         return 0
 
 
 def test_summary_term_merges_through_lse():
-    """Retained entries + an exact summary of the evicted ones reproduce full attention."""
+    """Retained entries + an exact summary of the evicted ones reproduce full attention (one query a row: the compiled
+    merge; the reference read: the PyTorch one)."""
     torch.manual_seed(2)
     k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    k[:, :, :6] = torch.randn(1, 2, 1, 8)  # the six entries left out share one key per head
     pos = torch.arange(16).expand(1, 16)
     q = torch.randn(1, 4, 1, 8)
     full_pool, full = _table(k, v, pos)
     part_pool, part = _table(k[:, :, 6:], v[:, :, 6:], pos[:, 6:])
-    summary = _ExactSummary(k[:, :, :6], v[:, :, :6], torch.arange(6).expand(1, 2, 6))
+    summary = _SharedKeySummary(k[:, :, 0], v[:, :, :6])
     qpos = torch.tensor([[16]])
     out_full = read(q, qpos, full.view(full_pool), 0.35).out
-    out_part = read(q, qpos, part.view(part_pool, summary=summary), 0.35).out
-    assert torch.allclose(out_part, out_full, atol=1e-6)
+    for reference in (False, True):
+        out_part = read(q, qpos, part.view(part_pool, summary=summary), 0.35, reference=reference).out
+        assert torch.allclose(out_part, out_full, atol=1e-6)
 
 
 def test_log_weight_equals_duplicated_entry():
@@ -176,8 +181,7 @@ def _ragged_view(seed, batch, heads, dim, lengths, log_weights, summary, new_tok
                  torch.arange(length, length + new_tokens).expand(batch, new_tokens))
     held_out = None
     if summary:
-        held_out = _ExactSummary(torch.randn(batch, heads, 5, dim, generator=gen), torch.randn(batch, heads, 5, dim, generator=gen),
-                                 torch.arange(5).expand(batch, heads, 5))
+        held_out = _SharedKeySummary(torch.randn(batch, heads, dim, generator=gen), torch.randn(batch, heads, 5, dim, generator=gen))
     return pool, table.view(pool, summary=held_out)
 
 

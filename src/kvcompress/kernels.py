@@ -4,11 +4,13 @@ import build; build()"`` builds it by hand). Each C++ file's header comment give
 PyTorch path beside its caller, the reference it is tested against and what runs where the module cannot be built:
 
 * ``paged_decode.cpp``: the decoding read over slot tables (``read/paged.py``);
+* ``summary_merge.cpp``: a summary of what left (MomentKV's moments) merged into a decoding read (``read/sdpa.py``);
 * ``top_pages.cpp``: Quest's page bounds and best pages as entry columns (``read/pages.py``);
 * ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``), and read in place by a decoding read
   (``read/paged.py``);
 * ``decoder_ops.cpp``: the engine decoder's norms, RoPE and SiLU, one pass each (``engine/decoder.py``);
 * ``linear_rows.cpp``: a float32 or bfloat16 linear product over a decoding step's few rows (``engine/packed.py``);
+* ``replay_chunk.cpp``: KVzip's replay chunk over held entries in bfloat16 (``read/sdpa.py``);
 * ``decode_layer.cpp``: a decoding step's whole decoder layer in one call, of the functions above (``engine/decoder.py``).
 """
 
@@ -19,9 +21,9 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "top_pages.cpp", "deltakv_rebuild.cpp",
-                                                              "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp",
-                                                              "decode_layer.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "summary_merge.cpp", "top_pages.cpp",
+                                                              "deltakv_rebuild.cpp", "decoder_ops.cpp", "linear_rows.cpp",
+                                                              "replay_chunk.cpp", "decode_layer.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _built: object | None = None
 _failed: str | None = None

@@ -2,11 +2,16 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import kept_positions, random_layer
 from kvcompress import get_method
 from kvcompress.methods.momentkv import MOMENTS, Moments, moment_floats_per_head
+from kvcompress.kernels import cpu_kernels
 from kvcompress.read import attend_reference, read
+from kvcompress.read.sdpa import merge_summary, merge_summary_torch
+from kvcompress.store.slots import RowSummaries
 from kvcompress.store.view import KVView
 
 
@@ -45,6 +50,54 @@ def test_corrected_read_is_exact_when_evicted_keys_are_identical():
     assert torch.allclose(out, expected, atol=1e-5)
     plain = read(query, qpos, _view(keys[:, :, 12:], values[:, :, 12:], positions[:, 12:]), 0.25).out
     assert not torch.allclose(plain, expected, atol=1e-3)  # without the correction the output is off
+
+
+def _moments(gen: torch.Generator, rows: int, heads: int, d: int, empty_heads: torch.Tensor) -> Moments:
+    """Moments of 12 random entries per head, none evicted where ``empty_heads`` [R, H]."""
+    keys, values = torch.randn(rows, heads, 12, d, generator=gen), torch.randn(rows, heads, 12, d, generator=gen) * 2
+    evicted = (torch.rand(rows, heads, 12, generator=gen) < 0.6) & ~empty_heads[..., None]
+    return Moments.empty(rows, heads, d, "cpu").add(keys, values, evicted)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 3), heads=st.integers(1, 3), group=st.integers(1, 4), d=st.sampled_from([1, 8, 64]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+def test_the_compiled_summary_merge_equals_the_pytorch_merge(rows, heads, group, d, dtype, seed):
+    """A decoding read's output merged with the moments in one compiled pass, as ``merge_lse`` merges the summary's
+    affine read (float32 sums in another order): over queries and outputs that are views of wider arrays, heads
+    with nothing evicted (log m = -inf), reads that saw nothing (lse -inf) and both at once (output 0, lse -inf)."""
+    gen = torch.Generator().manual_seed(seed)
+    moments = _moments(gen, rows, heads, d, torch.rand(rows, heads, generator=gen) < 0.3)
+    wide = (torch.randn(rows, heads * group, 2, d, generator=gen) * 2).to(dtype)
+    query, out = wide[:, :, :1], wide[:, :, 1:]  # each [R, Hq, 1, d], strided
+    lse = (torch.randn(rows, heads * group, 1, generator=gen) * 3).masked_fill(
+        torch.rand(rows, heads * group, 1, generator=gen) < 0.3, float("-inf"))
+    expected, expected_lse = merge_summary_torch(query, out, lse, moments, heads, 0.3)
+    assert cpu_kernels() is not None  # the test machine builds the kernels (make setup)
+    for merged, merged_lse in (cpu_kernels().summary_merge(query, out, lse, *moments.readout(0.3)),
+                               merge_summary(query, out, lse, moments, heads, 0.3)):
+        torch.testing.assert_close(merged, expected, atol=1e-5 * (1 + float(expected.abs().max())),
+                                   rtol=0.0 if dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(merged_lse, expected_lse, atol=1e-5, rtol=1e-5)
+    both_empty = torch.isinf(expected_lse)
+    assert torch.equal(expected[both_empty], torch.zeros_like(expected[both_empty]))
+
+
+def test_rows_without_a_summary_read_nothing_from_the_stacked_summaries():
+    """``RowSummaries`` (a batch whose rows hold their own moments, or none): each row reads its own, a row without
+    moments reads as if it had none."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [_moments(gen, 1, 2, 8, torch.zeros(1, 2, dtype=torch.bool)), None, _moments(gen, 1, 2, 8, torch.zeros(1, 2, dtype=torch.bool))]
+    query, out = torch.randn(3, 4, 1, 8, generator=gen), torch.randn(3, 4, 1, 8, generator=gen)
+    lse = torch.randn(3, 4, 1, generator=gen)
+    merged, merged_lse = merge_summary(query, out, lse, RowSummaries(parts, [1, 1, 1]), 2, 0.5)
+    for row, part in enumerate(parts):
+        if part is None:
+            assert torch.equal(merged[row], out[row]) and torch.equal(merged_lse[row], lse[row])
+        else:
+            alone, alone_lse = merge_summary_torch(query[row : row + 1], out[row : row + 1], lse[row : row + 1], part, 2, 0.5)
+            torch.testing.assert_close(merged[row : row + 1], alone, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(merged_lse[row : row + 1], alone_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_nothing_evicted_reads_as_plain_attention():

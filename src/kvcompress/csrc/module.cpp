@@ -5,6 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot tables (CPU)");
   m.def("top_pages", &top_pages, "The best pages of each head by bound, as entry columns (CPU)");
   m.def("page_bounds", &page_bounds, "Each page's upper bound of q·k from its per-channel key bounds (CPU)");
+  m.def("summary_merge", &summary_merge, "A decoding read's summary (an affine read of the query) merged into its output by log-sum-exp (CPU)");
   m.def("deltakv_rebuild", &deltakv_rebuild, "DeltaKV's coded tokens rebuilt: keys (RoPE applied) and values (CPU)");
   m.def("deltakv_decode", &deltakv_decode, "Decode attention over slot tables naming DeltaKV's coded tokens, read in place (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "A residual sum and its RMSNorm in one pass (CPU)");

@@ -453,9 +453,10 @@ class Merge(Fate):
         open_ = valid & ~protected
         scores = policy.score.decode_score(view, context, col_sums)
         candidate = scores.masked_fill(~open_, float("inf")).argmin(-1, keepdim=True)  # [B, H, 1]
-        keys = view.keys
-        leaving = candidate[..., None].expand(-1, -1, 1, keys.shape[-1])
-        similarity = (F.normalize(keys.float(), dim=-1) @ F.normalize(keys.gather(2, leaving).float(), dim=-1).transpose(-1, -2))[..., 0]
+        keys = view.keys.float()
+        leaving = F.normalize(keys.gather(2, candidate[..., None].expand(-1, -1, 1, keys.shape[-1])), dim=-1)  # [B, H, 1, d]
+        norms = torch.linalg.vector_norm(keys, dim=-1).clamp_(min=1e-12)  # as F.normalize's, without a normalized copy
+        similarity = (keys @ leaving.transpose(-1, -2))[..., 0].div_(norms)
         best, carrier = similarity.masked_fill(~open_.scatter(-1, candidate, False), float("-inf")).max(-1, keepdim=True)
         candidates = torch.zeros_like(valid).scatter(-1, candidate, over[..., None])
         state: dict = {}

@@ -106,12 +106,6 @@ class Moments:
             cached = self.__dict__["_readout"] = (scaling, matrix, bias)
         return cached[1], cached[2]
 
-    def attend(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summary term for grouped queries [B, H, G, q, d]: (ô_E(q), log Ẑ_E = log m + τ·qᵀμ_k) (eq. 9, 11)."""
-        matrix, bias = self.readout(scaling)
-        both = torch.einsum("bhed,bhgqd->bhgqe", matrix, query.float()) + bias[:, :, None, None, :]
-        return both[..., :-1], both[..., -1]
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.count, self.key_sum, self.value_sum, self.value_key_sum))
 

@@ -34,6 +34,14 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
     return torch.nan_to_num(out_a) * w_a[..., None] + torch.nan_to_num(out_b) * w_b[..., None], lse
 
 
+def summary_attend(summary: Summary, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A summary's read of grouped queries [B, H, G, q, d]: (out [B, H, G, q, d], lse [B, H, G, q]) float32, from
+    its affine map (``Summary.readout``)."""
+    matrix, bias = summary.readout(scaling)
+    both = torch.einsum("bhed,bhgqd->bhgqe", matrix, query.float()) + bias[:, :, None, None, :]
+    return both[..., :-1], both[..., -1]
+
+
 def masked_logits(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -87,7 +95,7 @@ def attend_reference(
     probs = torch.exp(logits - safe_lse.unsqueeze(-1))  # exp(-inf) = 0 on hidden entries
     out = torch.einsum("bhgql,bhld->bhgqd", probs, values.float())
     if summary is not None:
-        out_s, lse_s = summary.attend(query.float(), scaling)
+        out_s, lse_s = summary_attend(summary, query, scaling)
         out, lse = merge_lse(out, lse, out_s, lse_s)
     return out, lse, (probs if return_probs else None)
 
@@ -166,4 +174,4 @@ def attend_with_max_weights(
 
 
 __all__ = ["attend_reference", "attend_with_max_weights", "attention_probs", "group_queries", "masked_logits", "merge_lse",
-           "read_reference"]
+           "read_reference", "summary_attend"]

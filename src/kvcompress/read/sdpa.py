@@ -30,7 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels import cpu_kernels
 from ..store.view import KVView
-from .reference import group_queries, merge_lse
+from .reference import group_queries, merge_lse, summary_attend
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -106,10 +106,22 @@ def read_masked(query: torch.Tensor, query_positions: torch.Tensor, view: KVView
 
 def merge_summary(query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, summary, heads: int, scaling: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The read's output [B, Hq, q, d] and lse [B, Hq, q] with what left (a ``Summary``) merged in through log-sum-exp."""
+    """The read's output [B, Hq, q, d] and lse [B, Hq, q] with what left (a ``Summary``) merged in through log-sum-exp.
+    One query a row on the CPU: one compiled pass (``csrc/summary_merge.cpp``); elsewhere, or without the compiled
+    module, ``merge_summary_torch``."""
+    b, hq, q, d = query.shape
+    kernel = cpu_kernels() if q == 1 and query.device.type == "cpu" else None
+    if kernel is not None:
+        return tuple(kernel.summary_merge(query, out, lse, *summary.readout(scaling)))
+    return merge_summary_torch(query, out, lse, summary, heads, scaling)
+
+
+def merge_summary_torch(query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, summary, heads: int, scaling: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_summary`` in PyTorch (the compiled pass's reference): the summary's read, then ``merge_lse``."""
     b, hq, q, d = query.shape
     groups = hq // heads
-    out_s, lse_s = summary.attend(group_queries(query, heads).float(), scaling)
+    out_s, lse_s = summary_attend(summary, group_queries(query, heads), scaling)
     merged, lse_m = merge_lse(out.float().view(b, heads, groups, q, d), lse.view(b, heads, groups, q), out_s, lse_s)
     return merged.to(query.dtype).view(b, hq, q, d), lse_m.view(b, hq, q)
 
@@ -312,4 +324,4 @@ def _mask_bias(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return bias.view(bias.shape[0], heads, groups, *bias.shape[2:])
 
 
-__all__ = ["chunk_attention", "merge_summary", "prompt_attention", "prompt_attention_with_sums", "read_exact", "read_masked", "repeat_kv"]
+__all__ = ["chunk_attention", "merge_summary", "merge_summary_torch", "prompt_attention", "prompt_attention_with_sums", "read_exact", "read_masked", "repeat_kv"]

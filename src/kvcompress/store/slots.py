@@ -886,19 +886,20 @@ class RowSummaries:
     def __init__(self, parts: list, sizes: list[int]):
         self.parts, self.sizes = parts, sizes
 
-    def attend(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        outs, lses, start = [], [], 0
+    def readout(self, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts' affine maps stacked over the rows; rows with nothing left read nothing (log partition -inf)."""
+        matrix, bias = next(summary.readout(scaling) for summary in self.parts if summary is not None)
+        matrices, biases = [], []
         for summary, size in zip(self.parts, self.sizes):
-            rows = query[start : start + size]
-            start += size
             if summary is None:
-                outs.append(torch.zeros(rows.shape, dtype=torch.float32, device=rows.device))
-                lses.append(torch.full(rows.shape[:-1], float("-inf"), device=rows.device))
+                matrices.append(matrix.new_zeros(size, *matrix.shape[1:]))
+                biases.append(torch.cat([bias.new_zeros(size, *bias.shape[1:-1], bias.shape[-1] - 1),
+                                         bias.new_full((size, *bias.shape[1:-1], 1), float("-inf"))], dim=-1))
             else:
-                out, lse = summary.attend(rows, scaling)
-                outs.append(out)
-                lses.append(lse)
-        return torch.cat(outs), torch.cat(lses)
+                part_matrix, part_bias = summary.readout(scaling)
+                matrices.append(part_matrix)
+                biases.append(part_bias)
+        return torch.cat(matrices), torch.cat(biases)
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.parts if s is not None)

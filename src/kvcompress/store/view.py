@@ -24,14 +24,16 @@ import torch
 
 
 class Summary(Protocol):
-    """A per-head summary of evicted entries that contributes to attention (e.g. MomentKV).
+    """A per-head summary of evicted entries that contributes to attention (e.g. MomentKV), read as an
+    affine map of the query.
 
-    ``attend`` returns the summary's output and log partition function for grouped queries
-    [B, H, G, q, d]: ``out`` [B, H, G, q, d] float32 and ``lse`` [B, H, G, q] float32
-    (``-inf`` = empty).
+    ``readout`` returns ``matrix`` [B, H, d + 1, d] and ``bias`` [B, H, d + 1], float32, such that
+    ``matrix · q + bias`` is, for a query q of KV head h, the summary's output (its first d numbers) and
+    its log partition function (the last; ``-inf`` = empty). The read merges it through log-sum-exp
+    (``read.reference.summary_attend``).
     """
 
-    def attend(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def readout(self, scaling: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def nbytes(self) -> int: ...
 
