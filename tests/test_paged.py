@@ -18,7 +18,8 @@ from kvcompress.read.pages import page_bounds, page_bounds_torch, top_pages, top
 from kvcompress.read.reference import read_reference
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
-from kvcompress.store.view import Edit, KiviBlocks, KVView
+from kvcompress.read.tables import select_pages, select_tables_torch
+from kvcompress.store.view import Edit, KiviBlocks, KVView, Pages
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}
 
@@ -308,6 +309,36 @@ def test_a_selection_reads_only_the_chosen_entries_in_place():
     assert torch.allclose(paged.out, reference, atol=1e-5)
     chosen = torch.zeros(2, 2, 40).scatter_add(-1, select.clamp(min=0), sums.masked_fill(select < 0, 0.0))  # back in the view's columns
     assert torch.allclose(paged.col_sums, chosen, atol=1e-5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 3), heads=st.integers(1, 3), width=st.integers(1, 40), k=st.integers(0, 30),
+       weighted=st.lists(st.booleans(), min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_the_compiled_selection_of_the_tables_equals_the_reference(rows, heads, width, k, weighted, seed):
+    """``select_pages``: each head's chosen columns of its row's slot table and log-weights (holes: slot 0, weight 0)
+    and its length up to its last chosen column, compiled as ``select_tables_torch`` gives them, from tables that are
+    strided views of the store's, rows with and without log-weights."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 1000, (rows, heads, width + 3, 2), generator=gen, dtype=torch.int32)
+    store_weights = torch.randn(rows, heads, width + 3, 2, generator=gen)
+    tables = [ids[r, :, :, 0] for r in range(rows)]  # [H, width + 3], entry stride 2
+    log_weights = [store_weights[r, :, :, 1] if weighted[r] else None for r in range(rows)]
+    columns = torch.randint(-1, width, (rows, heads, k), generator=gen)
+    pages = Pages(lambda: None, tables, torch.full((rows, heads), width), log_weights)
+    selected = select_pages(pages, columns)
+    want_tables, want_lengths, want_weights = select_tables_torch(tables, log_weights, columns)
+    assert torch.equal(selected.lengths, want_lengths)
+    for got, want in zip(selected.tables, want_tables):
+        assert got.dtype == torch.int32 and torch.equal(got, want)
+    for got, want, weight in zip(selected.log_weights, want_weights, log_weights):
+        assert (got is None) == (weight is None) and (got is None or torch.equal(got, want))
+    if k:  # the reference itself: the chosen slot, 0 on a hole; each head up to its last chosen column
+        slot = torch.where(columns[0] < 0, 0, ids[0, :, :, 0].gather(-1, columns[0].clamp(min=0)))
+        assert torch.equal(want_tables[0], slot.int())
+        last = [max([j + 1 for j in range(k) if columns[0, h, j] >= 0], default=0) for h in range(heads)]
+        assert want_lengths[0].tolist() == last
+    with pytest.raises(RuntimeError, match="a column of its table"):
+        select_pages(pages, torch.full((rows, heads, 1), width + 3))
 
 
 def test_decode_weights_in_place_equal_the_references():

@@ -15,6 +15,7 @@ from kvcompress.store.deltakv import (DeltaKVCodec, DeltaKVWeights, columns_in_8
                                       split_vectors, token_vectors)
 from kvcompress.read import read, read_reference
 from kvcompress.read.paged import paged_decode, paged_decode_torch
+from kvcompress.read.tables import select_pages
 from kvcompress.store.slots import TIER_SHIFT, SlotPool, SlotTable
 from kvcompress.store.view import DeltaKVBlocks
 
@@ -322,7 +323,7 @@ def test_the_in_place_read_of_deltakv_equals_its_pytorch_path(rows, n, recent, g
     pages = table.view(pool).pages
     assert pages is not None and isinstance(pages.arrays()[2], DeltaKVBlocks)
     index = torch.randint(-1, n, (rows, H, chosen), generator=gen)
-    pages = pages.select(index.clamp(min=0), index < 0)
+    pages = select_pages(pages, index)
     keys, values, blocks = pages.arrays()
     query = torch.randn(rows, H * groups, D, generator=gen).to(dtype)
     log_weights = [torch.randn(H, chosen, generator=gen) for _ in range(rows)] if weighted else None

@@ -160,6 +160,9 @@ at::Tensor top_pages(const at::Tensor& bound, const at::Tensor& useful, const at
                      const at::Tensor& open, int64_t page_size, int64_t pages);
 at::Tensor page_bounds(const at::Tensor& query, const at::Tensor& bounds);
 
+std::vector<at::Tensor> select_tables(const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& weights,
+                                      const at::Tensor& columns);
+
 std::vector<at::Tensor> summary_merge(const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& matrix,
                                       const at::Tensor& bias);
 

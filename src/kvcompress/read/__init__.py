@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..store.view import KVView
+from ..store.view import KVView, Pages
 from .reference import (attend_reference, attend_with_max_weights, attention_probs, group_queries, masked_logits, merge_lse,
                         read_reference)
 from .sdpa import chunk_attention, merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
 from .paged import paged_decode
 from .pages import page_bounds, top_pages
+from .tables import select_pages
 
 
 @dataclass
@@ -56,11 +57,11 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
     if weights and query.shape[2] != 1:
         raise ValueError("read: per-entry weights are for one decoding query per row")
     full_length = view.shape[2]
+    if query.shape[2] == 1 and not reference and view.pages is not None:  # a decoding step: read in place
+        out, lse, sums, entry_weights = read_paged(query, view, scaling, col_sums, weights, select)
+        return ReadResult(out, lse, _in_view(sums, select, full_length), _in_view(entry_weights, select, full_length))
     if select is not None:
         view = view.select(select)
-    if query.shape[2] == 1 and not reference and view.pages is not None:  # a decoding step: read in place
-        out, lse, sums, entry_weights = read_paged(query, view, scaling, col_sums, weights)
-        return ReadResult(out, lse, _in_view(sums, select, full_length), _in_view(entry_weights, select, full_length))
     if weights:  # not in place: the reference's weights, beside the read
         result = read(query, query_positions, view, scaling, col_sums=col_sums, need_lse=need_lse, reference=reference)
         entry_weights = decode_weights(query, query_positions, view, scaling, reference)
@@ -85,12 +86,15 @@ def _in_view(values: torch.Tensor | None, select: torch.Tensor | None, length: i
         -1, index.clamp(min=0), values.masked_fill(index < 0, 0.0))
 
 
-def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool = False, weights: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One decoding query per row [B, Hq, 1, d] over the entries where they live (``view.pages``), the summary
-    merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32, the column sums [B, H, L] if asked, each entry's weight
-    [B, H, G, L] if asked), both before the summary merge: the sums are the weights' mean over the GQA group."""
-    out, lse, entry_weights = _read_pages(query, view, scaling, col_sums or weights)
+def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool = False, weights: bool = False,
+               select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One decoding query per row [B, Hq, 1, d] over the entries where they live (``view.pages``; with ``select``
+    [B, H, k], only those columns: ``select_pages``), the summary merged: (out [B, Hq, 1, d], lse [B, Hq, 1] float32,
+    the column sums [B, H, L] if asked, each entry's weight [B, H, G, L] if asked), both before the summary merge and
+    over the columns read (L = k with a selection): the sums are the weights' mean over the GQA group."""
+    pages = view.pages if select is None else select_pages(view.pages, select)
+    length = view.shape[2] if select is None else select.shape[2]
+    out, lse, entry_weights = _read_pages(query, pages, length, scaling, col_sums or weights)
     sums = None
     if entry_weights is not None:
         rows, hq, length = entry_weights.shape
@@ -102,14 +106,13 @@ def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool
     return out, lse, sums, entry_weights if weights else None
 
 
-def _read_pages(query: torch.Tensor, view: KVView, scaling: float, weights: bool
+def _read_pages(query: torch.Tensor, pages: Pages, length: int, scaling: float, weights: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The paged read of one decoding query per row [B, Hq, 1, d], without the summary: out [B, Hq, d], lse [B, Hq]
-    float32 and, if asked, each entry's weight [B, Hq, L]: exp(logit − lse) from the logits the read filled in
-    (0 on holes and padding)."""
-    pages = view.pages
+    """The paged read of one decoding query per row [B, Hq, 1, d] over ``length`` columns, without the summary: out
+    [B, Hq, d], lse [B, Hq] float32 and, if asked, each entry's weight [B, Hq, L]: exp(logit − lse) from the logits the
+    read filled in (0 on holes and padding)."""
     keys, values, coded = pages.arrays()
-    rows, hq, length = query.shape[0], query.shape[1], view.shape[2]
+    rows, hq = query.shape[0], query.shape[1]
     scores = torch.full((rows, hq, length), -math.inf, device=query.device) if weights else None
     out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, coded, scores, length)
     if scores is not None:
@@ -125,7 +128,7 @@ def decode_weights(query: torch.Tensor, query_positions: torch.Tensor, view: KVV
     b, hq, _, _ = query.shape
     heads, length = view.shape[1], view.shape[2]
     if view.pages is not None and not reference:
-        _, _, weights = _read_pages(query, view, scaling, True)
+        _, _, weights = _read_pages(query, view.pages, length, scaling, True)
         return weights.view(b, heads, hq // heads, length)
     logits = masked_logits(group_queries(query, heads), view.keys, scaling, query_positions, view.positions, view.valid,
                            view.log_weights)

@@ -36,9 +36,7 @@ import torch
 from ..kernels import cpu_kernels
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
 from ..store.view import DeltaKVBlocks, KiviBlocks
-from .tables import KIVI_FIELDS, stacked, stacked_log_weights
-
-NOTHING = torch.empty(0)  # the kernel's "none" for a tensor argument
+from .tables import KIVI_FIELDS, NOTHING, stacked, stacked_log_weights
 
 
 def triton_kernel():

@@ -78,12 +78,6 @@ class Pages:
     lengths: torch.Tensor
     log_weights: list[torch.Tensor | None]
 
-    def select(self, safe: torch.Tensor, hole: torch.Tensor) -> Pages:
-        """The entries at ``safe`` [B, H, k] (int64, ≥ 0) of each head, but holes where ``hole`` (bool [B, H, k])."""
-        tables = [t.gather(-1, safe[r]).masked_fill_(hole[r], 0) for r, t in enumerate(self.tables)]
-        weights = [None if w is None else w.gather(-1, safe[r]) for r, w in enumerate(self.log_weights)]
-        return Pages(self.arrays, tables, torch.full(safe.shape[:2], safe.shape[2], dtype=torch.long), weights)
-
 
 class KVView:
     """One layer's entries for a batch, padded to the longest head (see the module docstring).
@@ -233,11 +227,10 @@ class KVView:
         else:
             keys = values = None
             load = lambda _: self._load(safe)  # noqa: E731
-        positions = lambda: self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION)  # noqa: E731 (a read in place needs none)
+        positions = lambda: self.positions.gather(-1, safe).masked_fill(hole, PAD_POSITION)  # noqa: E731
         return KVView(positions, lambda: (~hole).sum(-1).cpu(), shape=index.shape, load=load,
                       keys=keys, values=values, log_weights=pick(self.log_weights),
-                      channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary,
-                      pages=lambda: None if self.pages is None else self.pages.select(safe, hole))
+                      channels={name: pick(c) for name, c in self.channels.items()}, summary=self.summary)
 
     def flat(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, H, L, ...] → the real entries [N, ...], head after head."""
