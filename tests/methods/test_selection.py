@@ -11,7 +11,7 @@ import kvcompress as kvc
 from kvcompress.methods import get_method
 from kvcompress.methods.omnikv import STEP, filter_layers
 from kvcompress.methods.selection import true_columns
-from kvcompress.read import attend_reference, attention_probs, group_queries, page_bounds, read
+from kvcompress.read import attend_reference, attention_probs, group_queries, page_bounds_torch, read
 from kvcompress.store.slots import SlotPool, SlotTable
 from kvcompress.store.view import Edit
 
@@ -75,7 +75,7 @@ def test_quest_bound_is_at_least_every_logit_of_its_page(lengths, page_size, gro
     view = table.view(pool)
     gen = torch.Generator().manual_seed(seed + 1)
     query = (torch.randn(1, len(lengths), group, 8, generator=gen) * scale).to(dtype)
-    bound = page_bounds(query, view.page_bounds)  # [1, H, G, pages]
+    bound = page_bounds_torch(query, view.page_bounds)  # [1, H, G, pages]
     logits = torch.einsum("bhgd,bhld->bhgl", query.double(), view.keys.double())
     magnitude = torch.einsum("bhgd,bhld->bhgl", query.double().abs(), view.keys.double().abs())  # float32's rounding scale
     for h, n in enumerate(lengths):
@@ -105,7 +105,7 @@ def test_quest_reads_the_protected_entries_and_the_best_pages_within_budget(leng
     if select is None:
         assert all(n <= budget for n in lengths)
         return
-    bound = page_bounds(group_queries(query, len(lengths))[:, :, :, 0], view.page_bounds).amax(2)[0]
+    bound = page_bounds_torch(group_queries(query, len(lengths))[:, :, :, 0], view.page_bounds).amax(2)[0]
     for h, n in enumerate(lengths):
         read = select[0, h][select[0, h] >= 0].tolist()
         assert len(read) == len(set(read)) and all(0 <= i < n for i in read)

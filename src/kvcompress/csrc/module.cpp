@@ -3,9 +3,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot tables (CPU)");
-  m.def("top_pages", &top_pages, "The best pages of each head by bound, as entry columns (CPU)");
+  m.def("top_pages", &top_pages, "The best pages of each head by their bound of q·k, as entry columns (CPU)");
   m.def("select_tables", &select_tables, "A decoding read's selected columns of the rows' slot and log-weight tables (CPU)");
-  m.def("page_bounds", &page_bounds, "Each page's upper bound of q·k from its per-channel key bounds (CPU)");
   m.def("summary_merge", &summary_merge, "A decoding read's summary (an affine read of the query) merged into its output by log-sum-exp (CPU)");
   m.def("deltakv_rebuild", &deltakv_rebuild, "DeltaKV's coded tokens rebuilt: keys (RoPE applied) and values (CPU)");
   m.def("deltakv_decode", &deltakv_decode, "Decode attention over slot tables naming DeltaKV's coded tokens, read in place (CPU)");

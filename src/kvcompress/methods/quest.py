@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from ..read import group_queries, page_bounds, top_pages
+from ..read import group_queries, top_pages
 from .parts import Needs, Reads
 
 
@@ -68,8 +68,7 @@ class Quest(Reads):
         if plan is None:
             return None  # every head holds no more than it may read
         query = group_queries(context.query[:, :, -1:], view.shape[1])[:, :, :, 0]  # [B, H, G, d]: the step's (last) query
-        return top_pages(page_bounds(query, view.page_bounds), plan.useful, plan.count, plan.protected, plan.open,
-                         self.page_size, plan.pages)
+        return top_pages(query, view.page_bounds, plan.useful, plan.count, plan.protected, plan.open, self.page_size, plan.pages)
 
     def _plan(self, view, policy, context) -> _Plan | None:
         """What a step's selection takes from the heads' lengths and the read budget alone (None: every head reads all

@@ -11,8 +11,8 @@ It takes a ``KVView`` and knows nothing of methods, the store's layout or transf
 (exact SDPA for uniform heads, a masked flash kernel with the log-sum-exp otherwise); ``paged.py``
 a decoding query's read where the entries live. Tests hold the fast paths to the reference. For
 choosing what to read: ``decode_weights`` (each entry's weight for a decoding query, from the paged
-read's logits; ``read(weights=True)`` hands them out with the read itself: OmniKV's filter layers), ``page_bounds`` and ``top_pages``
-(each head's best pages by bound: Quest). Causality is decided by original token positions, so
+read's logits; ``read(weights=True)`` hands them out with the read itself: OmniKV's filter layers), ``top_pages``
+(each head's best pages by bound: Quest; ``page_bounds_torch`` the bounds themselves). Causality is decided by original token positions, so
 entries appended behind an evicted prefix need no mask bookkeeping.
 """
 
@@ -28,7 +28,7 @@ from .reference import (attend_reference, attend_with_max_weights, attention_pro
                         read_reference)
 from .sdpa import chunk_attention, merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
 from .paged import paged_decode
-from .pages import page_bounds, top_pages
+from .pages import page_bounds_torch, top_pages
 from .tables import select_pages
 
 
@@ -144,7 +144,7 @@ __all__ = [
     "decode_weights",
     "group_queries",
     "merge_lse",
-    "page_bounds",
+    "page_bounds_torch",
     "prompt_attention",
     "prompt_attention_with_sums",
     "read",
