@@ -36,7 +36,7 @@ import torch
 from ..kernels import cpu_kernels
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
 from ..store.view import DeltaKVBlocks, KiviBlocks
-from .tables import KIVI_FIELDS, NOTHING, stacked, stacked_log_weights
+from .tables import KIVI_FIELDS, NOTHING, kernel_log_weights, stacked, stacked_log_weights
 
 
 def triton_kernel():
@@ -71,12 +71,7 @@ def compiled_arguments(tables: list[torch.Tensor], lengths: torch.Tensor, log_we
     arrays (both empty without one)."""
     spec = [] if coded is None else [coded.tier, coded.codec.bits, coded.codec.block_size, coded.codec.channel_group(head_dim)]
     arrays = [] if coded is None else [coded.arrays[name] for name in KIVI_FIELDS]
-    return tables, lengths.to(torch.long).contiguous(), _kernel_log_weights(log_weights, len(tables)), TIER_SHIFT, spec, arrays
-
-
-def _kernel_log_weights(log_weights: list[torch.Tensor | None] | None, rows: int) -> list[torch.Tensor]:
-    """Each row's log-weights as the compiled reads take them: an empty tensor for none."""
-    return [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * rows
+    return tables, lengths.to(torch.long).contiguous(), kernel_log_weights(log_weights, len(tables)), TIER_SHIFT, spec, arrays
 
 
 def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,
@@ -86,7 +81,7 @@ def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     kernel = cpu_kernels() if query.device.type == "cpu" and blocks.codec.bits == 4 else None
     if kernel is None:
         return paged_decode_torch(query, keys, values, tables, lengths, log_weights, scaling, blocks, scores)
-    weights = _kernel_log_weights(log_weights, len(tables))
+    weights = kernel_log_weights(log_weights, len(tables))
     codes, references, codec = blocks.arrays, blocks.references, blocks.codec
     stored = codec.stored_keys() or (NOTHING, NOTHING, NOTHING)
     return kernel.deltakv_decode(query, scaling, keys, values, tables, lengths.to(torch.long).contiguous(), weights, TIER_SHIFT,

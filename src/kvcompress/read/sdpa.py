@@ -109,8 +109,7 @@ def merge_summary(query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sum
     """The read's output [B, Hq, q, d] and lse [B, Hq, q] with what left (a ``Summary``) merged in through log-sum-exp.
     One query a row on the CPU: one compiled pass (``csrc/summary_merge.cpp``); elsewhere, or without the compiled
     module, ``merge_summary_torch``."""
-    b, hq, q, d = query.shape
-    kernel = cpu_kernels() if q == 1 and query.device.type == "cpu" else None
+    kernel = cpu_kernels() if query.shape[2] == 1 and query.device.type == "cpu" else None
     if kernel is not None:
         return tuple(kernel.summary_merge(query, out, lse, *summary.readout(scaling)))
     return merge_summary_torch(query, out, lse, summary, heads, scaling)

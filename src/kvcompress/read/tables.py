@@ -15,6 +15,11 @@ NOTHING = torch.empty(0)  # the kernels' "none" for a tensor argument
 KIVI_FIELDS = ("key_codes", "key_zero", "key_scale", "value_codes", "value_zero", "value_scale")  # the kernels' order
 
 
+def kernel_log_weights(log_weights: list[torch.Tensor | None] | None, rows: int) -> list[torch.Tensor]:
+    """Each row's log-weights as the compiled kernels take them: an empty tensor for none."""
+    return [NOTHING if w is None else w for w in log_weights] if log_weights else [NOTHING] * rows
+
+
 def select_pages(pages: Pages, columns: torch.Tensor) -> Pages:
     """The entries at ``columns`` [B, H, k] (int64, -1: none) of each head, where they live: per row the slot table
     [H, k] (0, a hole, where -1) and its log-weights (0 on a hole); each head reads up to its last chosen column (its
@@ -23,7 +28,7 @@ def select_pages(pages: Pages, columns: torch.Tensor) -> Pages:
     if kernel is None:
         return Pages(pages.arrays, *select_tables_torch(pages.tables, pages.log_weights, columns))
     rows = len(pages.tables)
-    selected = kernel.select_tables(pages.tables, [NOTHING if w is None else w for w in pages.log_weights], columns.long().contiguous())
+    selected = kernel.select_tables(pages.tables, kernel_log_weights(pages.log_weights, rows), columns.long().contiguous())
     log_weights = [None if w is None else t for w, t in zip(pages.log_weights, selected[rows : 2 * rows])]
     return Pages(pages.arrays, selected[:rows], selected[2 * rows], log_weights)
 
@@ -53,4 +58,4 @@ def stacked_log_weights(tables: list[torch.Tensor], log_weights: list[torch.Tens
     return stacked([torch.zeros(t.shape, device=t.device) if w is None else w.float() for t, w in zip(tables, log_weights)], length, 0.0)
 
 
-__all__ = ["KIVI_FIELDS", "NOTHING", "select_pages", "select_tables_torch", "stacked", "stacked_log_weights"]
+__all__ = ["KIVI_FIELDS", "NOTHING", "kernel_log_weights", "select_pages", "select_tables_torch", "stacked", "stacked_log_weights"]

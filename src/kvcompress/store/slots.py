@@ -892,9 +892,10 @@ class RowSummaries:
         matrices, biases = [], []
         for summary, size in zip(self.parts, self.sizes):
             if summary is None:
+                empty = bias.new_zeros(size, *bias.shape[1:])
+                empty[..., -1] = float("-inf")
                 matrices.append(matrix.new_zeros(size, *matrix.shape[1:]))
-                biases.append(torch.cat([bias.new_zeros(size, *bias.shape[1:-1], bias.shape[-1] - 1),
-                                         bias.new_full((size, *bias.shape[1:-1], 1), float("-inf"))], dim=-1))
+                biases.append(empty)
             else:
                 part_matrix, part_bias = summary.readout(scaling)
                 matrices.append(part_matrix)
