@@ -491,11 +491,12 @@ class Session:
         queries, positions, col_sums, hiddens = zip(*(pending[i] for i in range(self.num_layers)))
         sums = None
         if all(s is not None for s in col_sums):
-            sums = torch.cat([torch.nn.functional.pad(s, (0, length - s.shape[-1])) for s in col_sums])
+            sums = torch.cat([s if s.shape[-1] == length else torch.nn.functional.pad(s, (0, length - s.shape[-1])) for s in col_sums])
         layers = self.layers
         step = {"step_hidden": torch.cat(hiddens)} if all(h is not None for h in hiddens) else {}
+        seen = torch.tensor([layer.seen for layer in layers]).repeat_interleave(self.batch_size)  # each layer's tokens_seen
         context = LayerContext(
-            -1, self.num_layers, layers[0].scaling, torch.cat([layer.tokens_seen for layer in layers]), step,
+            -1, self.num_layers, layers[0].scaling, seen - torch.cat([layer.padding for layer in layers]), step,
             _stack_states([layer.state for layer in layers]), None, self.rotary, torch.cat(queries), torch.cat(positions),
             self.notes,
         )
@@ -580,7 +581,8 @@ class Session:
         """Bytes held for a layer: entries, metadata, the summary and any method state that knows its size."""
         layer = self.layers[layer_idx]
         objects = {id(o): o for o in [layer.summary, *layer.state.values()] if o is not None and hasattr(o, "nbytes")}
-        return self.table.nbytes(self.pool, self.rows(layer_idx)) + sum(o.nbytes() for o in objects.values())
+        return self.table.nbytes(self.pool, self.rows(layer_idx)) + sum(
+            o.nbytes if isinstance(o, torch.Tensor) else o.nbytes() for o in objects.values())  # a tensor's is an attribute
 
     def kv_bytes(self) -> int:
         """Bytes of KV state really held over all layers."""

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import layer_from, layers_of, random_layer, tiny_model
 from kvcompress import CompressedCache, get_method
+from kvcompress.methods.ema import ema_over_queries
 from kvcompress.methods.keepkv import EXTERNAL
 from kvcompress.methods.merging import MergePlan, query_reference, relative_error, reference_output, zip_merge
 from kvcompress.read import group_queries, read
@@ -180,6 +183,27 @@ def test_ema_importance_is_bias_corrected():
     col_sums[..., -1] = 0.7  # the new entry receives 0.7 from both query heads at its first update
     layer.decode_step(method, col_sums, torch.randn(1, 4, 1, 8), torch.tensor([[30]]))
     assert float(method.score.importance(layer.view())[0, 0, -1]) == pytest.approx(0.7)  # not (1 − α)·0.7
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), length=st.integers(1, 12), q=st.integers(1, 4),
+       decay=st.sampled_from([0.5, 0.9, 0.99]), seed=st.integers(0, 2**16))
+def test_ema_of_several_queries_equals_one_query_at_a_time(batch, heads, length, q, decay, seed):
+    """The closed form over q queries (prefill windows, chunks) equals q decoding steps of one query each, in order
+    (a decoding step takes its own few operations): for each entry, only the queries that see it (by position, real
+    ones, real entries) count, and its bias correction counts its own updates."""
+    gen = torch.Generator().manual_seed(seed)
+    s, norm = torch.rand(batch, heads, length, generator=gen), torch.rand(batch, heads, length, generator=gen)
+    probs = torch.rand(batch, heads, q, length, generator=gen)
+    key_positions = torch.randint(0, length + q, (batch, heads, length), generator=gen)
+    key_valid = torch.rand(batch, heads, length, generator=gen) < 0.8
+    query_positions = torch.sort(torch.randint(0, length + q, (batch, q), generator=gen), dim=-1).values
+    query_valid = torch.arange(q) >= torch.randint(0, q, (batch, 1), generator=gen)  # left padding
+    together = ema_over_queries(s, norm, probs, query_positions, key_positions, key_valid, decay, query_valid)
+    for j in range(q):
+        step_valid = key_valid & query_valid[:, j, None, None]
+        s, norm = ema_over_queries(s, norm, probs[:, :, j : j + 1], query_positions[:, j : j + 1], key_positions, step_valid, decay)
+    torch.testing.assert_close(together, (s, norm), atol=1e-6, rtol=1e-5)
 
 
 def _orthogonal_layer(length=40, dim=8, seed=8):

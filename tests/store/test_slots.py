@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.store.codecs import KiviCodec
-from kvcompress.store.slots import LENGTH_BYTES, TIER_SHIFT, SlotTable, PoolExhausted, SlotPool
+from kvcompress.kernels import cpu_kernels
+from kvcompress.store.slots import LENGTH_BYTES, PAD_POSITION, PAD_SLOT, TIER_SHIFT, SlotTable, PoolExhausted, SlotPool, compact_rows_torch
 from kvcompress.store.view import Edit, Rewrite
 
 DIM = 4
@@ -73,6 +74,28 @@ def _check_page_bounds(table: SlotTable, view) -> None:
                 keys = view.keys[b, h, page * size : min(n, (page + 1) * size)]
                 assert torch.equal(table.page_bounds[b, h, page, 0], keys.amin(0))
                 assert torch.equal(table.page_bounds[b, h, page, 1], keys.amax(0))
+
+
+@settings(max_examples=120, deadline=None)
+@given(rows=st.integers(1, 3), heads=st.integers(1, 3), length=st.integers(0, 12), spare=st.integers(0, 3), columns=st.integers(0, 3),
+       keep_share=st.sampled_from([0.0, 0.5, 0.9, 1.0]), seed=st.integers(0, 2**16))
+def test_the_compiled_compaction_equals_the_reference(rows, heads, length, spare, columns, keep_share, seed):
+    """A table's rows keeping what a mask marks, compacted in place by the compiled pass, exactly as ``compact_rows_torch``
+    does it: on views of longer tables (as ``retain`` hands them), with and without weight columns, ragged heads
+    (columns past a head's length are padding, whatever the mask says there), keeping nothing to everything."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, length + 1, (rows, heads), generator=gen)
+    ids = torch.randint(1, 1000, (rows, heads, length + spare, 2), generator=gen).int()
+    weights = torch.randn(rows, heads, length + spare, columns, generator=gen) if columns else None
+    keep = torch.rand(rows, heads, length, generator=gen) < keep_share
+    expected_ids, expected_weights = ids.clone(), None if weights is None else weights.clone()
+    expected = compact_rows_torch(expected_ids[:, :, :length], None if weights is None else expected_weights[:, :, :length], keep,
+                                  lengths)
+    dropped, counts = cpu_kernels().compact_tables(ids[:, :, :length], torch.empty(0) if weights is None else weights[:, :, :length],
+                                                   keep, lengths, PAD_SLOT, PAD_POSITION)
+    assert torch.equal(dropped, expected[0]) and torch.equal(counts, expected[1])
+    assert torch.equal(ids, expected_ids) and (weights is None or torch.equal(weights, expected_weights))
+    assert torch.equal(counts, (keep & (torch.arange(length) < lengths[..., None])).sum(-1))
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", "rewrite", "code"]), st.integers(0, 10**6)),

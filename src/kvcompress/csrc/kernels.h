@@ -162,6 +162,12 @@ at::Tensor top_pages(const at::Tensor& query, const at::Tensor& bounds, const at
 std::vector<at::Tensor> select_tables(const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& weights,
                                       const at::Tensor& columns);
 
+std::vector<at::Tensor> merge_pairs(const at::Tensor& keys, const std::vector<at::Tensor>& tables, const at::Tensor& score,
+                                    const at::Tensor& open);
+
+std::vector<at::Tensor> compact_tables(at::Tensor ids, at::Tensor weights, const at::Tensor& keep, const at::Tensor& lengths,
+                                       int64_t pad_slot, int64_t pad_position);
+
 std::vector<at::Tensor> summary_merge(const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& matrix,
                                       const at::Tensor& bias);
 

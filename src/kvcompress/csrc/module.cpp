@@ -5,6 +5,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot tables (CPU)");
   m.def("top_pages", &top_pages, "The best pages of each head by their bound of q·k, as entry columns (CPU)");
   m.def("select_tables", &select_tables, "A decoding read's selected columns of the rows' slot and log-weight tables (CPU)");
+  m.def("merge_pairs", &merge_pairs, "Per KV head, the entry that leaves by score and its most cosine-similar open key (CPU)");
+  m.def("compact_tables", &compact_tables, "Slot table rows keeping the entries a mask marks, in place (CPU)");
   m.def("summary_merge", &summary_merge, "A decoding read's summary (an affine read of the query) merged into its output by log-sum-exp (CPU)");
   m.def("deltakv_rebuild", &deltakv_rebuild, "DeltaKV's coded tokens rebuilt: keys (RoPE applied) and values (CPU)");
   m.def("deltakv_decode", &deltakv_decode, "Decode attention over slot tables naming DeltaKV's coded tokens, read in place (CPU)");

@@ -29,7 +29,7 @@ import torch
 
 from .merging import Merge, Merged, d2o_merge
 
-THRESHOLD = "d2o_threshold"  # per batch row, a tuple of floats
+THRESHOLD = "d2o_threshold"  # per batch row [B] float32 (NaN: no candidates yet)
 
 
 @dataclass
@@ -56,19 +56,13 @@ class D2O(Merge):
         found = candidates & torch.isfinite(similarity)
         count = found.sum(dim=(1, 2))
         step_mean = torch.where(found, similarity, torch.zeros_like(similarity)).sum(dim=(1, 2)) / count.clamp(min=1)
-        previous = context.state.get(THRESHOLD)
-        thresholds = []
-        for row in range(similarity.shape[0]):
-            mean = float(step_mean[row])
-            if previous is None or previous[row] is None:
-                thresholds.append(mean if int(count[row]) else None)
-            elif int(count[row]):
-                thresholds.append(self.threshold_decay * previous[row] + (1 - self.threshold_decay) * mean)
-            else:
-                thresholds.append(previous[row])
-        state[THRESHOLD] = tuple(thresholds)
-        tau = torch.tensor([t if t is not None else 0.0 for t in thresholds], device=similarity.device)
-        return candidates & (similarity >= tau[:, None, None])
+        previous = context.state.get(THRESHOLD)  # [B] float32, NaN before a row's first candidates
+        if previous is None:
+            previous = torch.full_like(step_mean, float("nan"))
+        moved = torch.where(torch.isnan(previous), step_mean, self.threshold_decay * previous + (1 - self.threshold_decay) * step_mean)
+        thresholds = torch.where(count > 0, moved, previous)
+        state[THRESHOLD] = thresholds
+        return candidates & (similarity >= thresholds.nan_to_num(0.0)[:, None, None])
 
     def merge_rule(self, view, plan, ref, scaling) -> Merged:
         return d2o_merge(view.keys, view.values, plan)

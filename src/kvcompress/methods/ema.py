@@ -42,6 +42,10 @@ def ema_over_queries(
     if query_valid is not None:
         visible = visible & query_valid.to(visible.device)[:, None, :, None]
     q = probs.shape[2]
+    if q == 1:  # a decoding step: S ← αS + (1 − α)a where the query sees the entry, in a few operations
+        seen = visible[:, :, 0]
+        return (torch.where(seen, torch.lerp(probs[:, :, 0].float(), s, decay), s),
+                torch.where(seen, torch.lerp(torch.ones_like(norm), norm, decay), norm))
     weight = (1 - decay) * decay ** torch.arange(q - 1, -1, -1, dtype=torch.float32, device=probs.device)  # [q]
     kept = torch.pow(decay, visible.sum(2, dtype=torch.float32))  # α^{n_i}
     fresh = (probs.float() * visible).transpose(2, 3) @ weight  # Σ_j (1 − α)·α^{q−1−j}·a_ij over visible j

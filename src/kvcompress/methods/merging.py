@@ -13,6 +13,8 @@ The pieces are plain tensor functions on the layer's padded view [B, H, L, ...]:
 
 * ``nearest_carriers``: per candidate, the allowed carrier with the highest key cosine
   similarity (candidates × carriers only, in chunks, never L × L at once);
+* ``leaving_pairs``: a decoding step's one entry leaving each head and its carrier, read where the
+  keys live (``csrc/merge_pairs.cpp`` on the CPU; ``leaving_pairs_torch`` the reference);
 * ``group_weights`` and ``group_mean``: per carrier, the weighted mean of its group and the log
   of the total weight, from per-entry log-weights, with a per-group shift so nothing
   overflows (float64): every merge rule is built from them;
@@ -36,6 +38,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_kernels
 from ..read import attend_reference, group_queries
 from ..store.view import UNCHANGED, Edit, KVView, LayerContext, Rewrite
 from .ema import EMA, EMA_NORM, EMAImportance, prefill_window
@@ -137,6 +140,35 @@ def nearest_carriers(
     similarity = similarity.masked_fill(~candidates, float("-inf"))
     index = torch.where(candidates & torch.isfinite(similarity), index, self_index)
     return similarity, index
+
+
+def leaving_pairs(view: KVView, score: torch.Tensor, open_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per head of a view [B, H, L]: the ``open_`` entry of the lowest ``score`` (it leaves; of equal scores the first),
+    the open entry other than it whose key is the most cosine-similar to its key (its carrier; the first of equal ones),
+    and that similarity, float32 (-inf where there is none): three [B, H] tensors (index 0 where there is none).
+
+    On the CPU, with the compiled kernels and every entry plain, one pass over the keys where they live
+    (``csrc/merge_pairs.cpp``: nothing gathered); elsewhere ``leaving_pairs_torch``, the reference, over the view's keys.
+    """
+    kernel = cpu_kernels() if score.device.type == "cpu" else None
+    pages = view.pages if kernel is not None else None
+    if pages is not None:
+        keys, _, coded = pages.arrays()
+        if coded is None:
+            leaving, carrier, similarity = kernel.merge_pairs(keys, pages.tables, score.float().contiguous(), open_.contiguous())
+            return leaving, carrier, similarity
+    return leaving_pairs_torch(view.keys, score, open_)
+
+
+def leaving_pairs_torch(keys: torch.Tensor, score: torch.Tensor, open_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``leaving_pairs`` over keys [B, H, L, d] in plain PyTorch: the reference."""
+    leaving = score.masked_fill(~open_, float("inf")).argmin(-1, keepdim=True)  # [B, H, 1]
+    keys = keys.float()
+    unit = F.normalize(keys.gather(2, leaving[..., None].expand(-1, -1, 1, keys.shape[-1])), dim=-1)  # [B, H, 1, d]
+    norms = torch.linalg.vector_norm(keys, dim=-1).clamp_(min=1e-12)  # as F.normalize's, without a normalized copy
+    similarity = (keys @ unit.transpose(-1, -2))[..., 0].div_(norms)
+    best, carrier = similarity.masked_fill(~open_.scatter(-1, leaving, False), float("-inf")).max(-1)
+    return leaving[..., 0], carrier, best
 
 
 # ----- grouped merges ---------------------------------------------------------------------------
@@ -451,16 +483,10 @@ class Merge(Fate):
         valid = view.valid_or_ones()
         over = over.to(device)
         open_ = valid & ~protected
-        scores = policy.score.decode_score(view, context, col_sums)
-        candidate = scores.masked_fill(~open_, float("inf")).argmin(-1, keepdim=True)  # [B, H, 1]
-        keys = view.keys.float()
-        leaving = F.normalize(keys.gather(2, candidate[..., None].expand(-1, -1, 1, keys.shape[-1])), dim=-1)  # [B, H, 1, d]
-        norms = torch.linalg.vector_norm(keys, dim=-1).clamp_(min=1e-12)  # as F.normalize's, without a normalized copy
-        similarity = (keys @ leaving.transpose(-1, -2))[..., 0].div_(norms)
-        best, carrier = similarity.masked_fill(~open_.scatter(-1, candidate, False), float("-inf")).max(-1, keepdim=True)
+        candidate, carrier, best = (t[..., None] for t in leaving_pairs(view, policy.score.decode_score(view, context, col_sums), open_))
         candidates = torch.zeros_like(valid).scatter(-1, candidate, over[..., None])
         state: dict = {}
-        merged = self.accept(context, torch.full_like(similarity, float("-inf")).scatter(-1, candidate, best), candidates, state)
+        merged = self.accept(context, torch.full(valid.shape, float("-inf"), device=device).scatter(-1, candidate, best), candidates, state)
         merged_head = merged.any(-1, keepdim=True)  # [B, H, 1]: the candidate merges (else it is dropped)
         pair = view.select(torch.cat([carrier, candidate], dim=-1))  # [B, H, 2]: the carrier, then the candidate
         plan = MergePlan(

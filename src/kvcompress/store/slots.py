@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels import cpu_kernels
 from .codecs import Codec, PlainCodec, field_bytes
 from .view import PAD_POSITION, UNCHANGED, DeltaKVBlocks, Edit, Entries, KiviBlocks, KVView, Pages
 
@@ -796,21 +797,18 @@ class SlotTable:
         others' slots."""
         rows = _all(rows)
         length = keep.shape[-1]
-        valid = torch.arange(length, device=self.device) < self.lengths[rows].to(self.device)[..., None]
-        keep = keep.to(self.device) & valid
-        ids = self.ids[rows, :, :length]
-        pool.release(ids[..., 0][valid & ~keep])
-        counts = keep.sum(-1)
-        place = torch.where(keep, keep.cumsum(-1) - 1, length)[..., None]  # kept entries first, in order; the rest
-        ids[...] = _compacted(ids, place, PAD_IDS.to(self.device))              # to a spare column past the end
-        if self.weights is not None:
-            weights = self.weights[rows, :, :length]
-            weights[...] = _compacted(weights, place, 0.0)
-        self.lengths[rows] = counts.cpu()
-        if self.page_size:
-            dropped = (valid & ~keep).flatten(0, 1).any(0).nonzero()  # pages before the first drop are unchanged
-            if dropped.numel():
-                self._refresh_pages(pool, rows, int(dropped[0]))
+        keep = keep.to(self.device)
+        first_change = None
+        if self.page_size:  # pages before the first entry left out are unchanged
+            valid = torch.arange(length, device=self.device) < self.lengths[rows].to(self.device)[..., None]
+            dropped = (valid & ~keep).flatten(0, 1).any(0).nonzero()
+            first_change = int(dropped[0]) if dropped.numel() else None
+        weights = None if self.weights is None else self.weights[rows, :, :length]
+        dropped_slots, counts = compact_rows(self.ids[rows, :, :length], weights, keep, self.lengths[rows])
+        pool.release(dropped_slots)
+        self.lengths[rows] = counts
+        if first_change is not None:
+            self._refresh_pages(pool, rows, first_change)
 
     @_plain_tensors
     def code(self, pool: SlotPool, tier: int, recent: int, rows: Rows = None, layer: int = -1) -> int:
@@ -935,6 +933,38 @@ def _aligned(flat: torch.Tensor, aligned: torch.Tensor, fill) -> torch.Tensor:
     out[...] = fill
     out[aligned] = flat
     return out
+
+
+def compact_rows(ids: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor, lengths: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table rows keeping the entries marked in ``keep`` [R, H, L], in place: per head, the entries at columns below its
+    length ``lengths`` [R, H] (int64, CPU) that ``keep`` marks move to its first columns in order, with their ``weights``
+    (float32 [R, H, L, C] or None), and every later column of the L becomes padding (weights 0). ``ids`` int32 [R, H, L, 2]
+    (views of the table's arrays). Returns the slots left out (int64 [n] on the CPU, head after head, in column order)
+    and each head's count kept (int64 [R, H], CPU).
+
+    On the CPU with the compiled kernels, one pass (``csrc/compact_tables.cpp``); elsewhere ``compact_rows_torch``, the
+    reference."""
+    kernel = cpu_kernels() if ids.device.type == "cpu" else None
+    if kernel is None:
+        return compact_rows_torch(ids, weights, keep, lengths)
+    empty = torch.empty(0) if weights is None else weights
+    dropped, counts = kernel.compact_tables(ids, empty, keep.contiguous(), lengths.contiguous(), PAD_SLOT, PAD_POSITION)
+    return dropped, counts
+
+
+def compact_rows_torch(ids: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor, lengths: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compact_rows`` in plain PyTorch: the reference."""
+    length = keep.shape[-1]
+    valid = torch.arange(length, device=ids.device) < lengths.to(ids.device)[..., None]
+    keep = keep & valid
+    dropped = ids[..., 0][valid & ~keep].long().cpu()
+    place = torch.where(keep, keep.cumsum(-1) - 1, length)[..., None]  # kept entries first, in order; the rest
+    ids[...] = _compacted(ids, place, PAD_IDS.to(ids.device))              # to a spare column past the end
+    if weights is not None:
+        weights[...] = _compacted(weights, place, 0.0)
+    return dropped, keep.sum(-1).cpu()
 
 
 def _compacted(array: torch.Tensor, place: torch.Tensor, fill) -> torch.Tensor:
