@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvcompress.read import decode_weights, read
 from kvcompress.kernels import cpu_kernels
-from kvcompress.read.paged import paged_decode, paged_decode_torch
+from kvcompress.read.paged import entry_weights, entry_weights_torch, paged_decode, paged_decode_torch
 from kvcompress.read.pages import page_bounds_torch, top_pages, top_pages_torch
 from kvcompress.read.reference import read_reference
 from kvcompress.store.codecs import KiviCodec
@@ -386,6 +386,28 @@ def test_the_compiled_top_pages_equal_the_reference(rows, heads, group, total, p
     assert expected.shape == (rows, heads, width + pages * page_size)
     assert torch.equal(cpu_kernels().top_pages(query, bounds, *args), expected)
     assert torch.equal(top_pages(query, bounds, *args), expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 3), heads=st.integers(1, 3), group=st.integers(1, 4), length=st.integers(0, 40),
+       mean=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_compiled_entry_weights_equal_the_reference(rows, heads, group, length, mean, seed):
+    """A decoding read's logits made weights (or their mean over the group: column sums) in one compiled pass, as
+    ``entry_weights_torch`` makes them: holes and columns past a head's length (-inf) weigh 0, and so does every entry
+    of a query head that read nothing (lse -inf); logits far below the lse (underflow) too."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, heads * group, length, generator=gen) * 30
+    logits = logits.masked_fill(torch.rand(rows, heads * group, length, generator=gen) < 0.2, float("-inf"))
+    logits[:, :1] = float("-inf")  # a query head that read nothing
+    lse = torch.logsumexp(logits, dim=-1)
+    expected = entry_weights_torch(logits.clone(), lse, group, mean)
+    scores = logits.clone()
+    weights = entry_weights(scores, lse, group, mean)
+    assert weights.shape == ((rows, heads, length) if mean else (rows, heads * group, length))
+    torch.testing.assert_close(weights, expected, atol=1e-7, rtol=1e-6)
+    if not mean:
+        assert weights.data_ptr() == scores.data_ptr()  # in place, as the reference
+        assert bool((weights[:, 0] == 0).all())  # the query head that read nothing
 
 
 def test_a_read_hands_out_its_weights_in_the_views_columns():

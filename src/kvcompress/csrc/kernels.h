@@ -156,6 +156,8 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, double scaling, co
                                      const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
                                      const std::vector<at::Tensor>& kivi_arrays, at::Tensor scores);
 
+at::Tensor entry_weights(at::Tensor scores, const at::Tensor& lse, int64_t group, bool mean);
+
 at::Tensor top_pages(const at::Tensor& query, const at::Tensor& bounds, const at::Tensor& useful, const at::Tensor& count,
                      const at::Tensor& protected_columns, const at::Tensor& open, int64_t page_size, int64_t pages);
 

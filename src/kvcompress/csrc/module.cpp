@@ -3,6 +3,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot tables (CPU)");
+  m.def("entry_weights", &entry_weights, "Each entry's attention weight from a decoding read's logits, or their mean over the group (CPU)");
   m.def("top_pages", &top_pages, "The best pages of each head by their bound of q·k, as entry columns (CPU)");
   m.def("select_tables", &select_tables, "A decoding read's selected columns of the rows' slot and log-weight tables (CPU)");
   m.def("merge_pairs", &merge_pairs, "Per KV head, the entry that leaves by score and its most cosine-similar open key (CPU)");

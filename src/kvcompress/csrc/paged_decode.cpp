@@ -751,3 +751,34 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& queries, double scaling, 
   });
   return {in_dtype(out, queries.scalar_type()), lse};
 }
+
+// Each entry's attention weight from a decoding read's logits (read/paged.py's `entry_weights`; `entry_weights_torch` the
+// reference): scores float32 [R, Hq, L] (contiguous; -inf on holes and past a head's length) and lse float32 [R, Hq] →
+// exp(logit − lse), 0 where the query head read nothing (lse = -inf), by exp_float; with `mean`, their mean over each KV
+// head's `group` query heads, a new float32 [R, Hq / group, L] (what column sums take); else the weights in `scores`
+// itself, which is returned.
+at::Tensor entry_weights(at::Tensor scores, const at::Tensor& lse, int64_t group, bool mean) {
+  TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == at::kFloat && scores.is_contiguous(), "scores: float32 [R, Hq, L], contiguous");
+  const int64_t rows = scores.size(0), query_heads = scores.size(1), length = scores.size(2);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.sizes() == at::IntArrayRef({rows, query_heads}),
+              "lse: float32 [R, Hq], contiguous");
+  TORCH_CHECK(group >= 1 && query_heads % group == 0, "group: a divisor of the query heads");
+  float* logits = scores.data_ptr<float>();
+  const float* log_total = lse.data_ptr<float>();
+  auto sums = mean ? at::zeros({rows, query_heads / group, length}, scores.options()) : scores;
+  float* to = sums.data_ptr<float>();
+  const float share = 1.f / static_cast<float>(group);
+  for (int64_t rq = 0; rq < rows * query_heads; ++rq) {
+    const float offset = log_total[rq] == NEG_INF ? 0.f : log_total[rq];  // nothing read: every logit is -inf, every weight 0
+    float* logit = logits + rq * length;
+    if (mean) {
+      float* sum = to + (rq / group) * length;
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) sum[j] += exp_float(logit[j] - offset) * share;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) logit[j] = exp_float(logit[j] - offset);
+    }
+  }
+  return sums;
+}

@@ -27,7 +27,7 @@ from ..store.view import KVView, Pages
 from .reference import (attend_reference, attend_with_max_weights, attention_probs, group_queries, masked_logits, merge_lse,
                         read_reference)
 from .sdpa import chunk_attention, merge_summary, prompt_attention, prompt_attention_with_sums, read_exact, read_masked, replay_attention
-from .paged import paged_decode
+from .paged import entry_weights, paged_decode
 from .pages import page_bounds_torch, top_pages
 from .tables import select_pages
 
@@ -58,14 +58,14 @@ def read(query: torch.Tensor, query_positions: torch.Tensor, view: KVView, scali
         raise ValueError("read: per-entry weights are for one decoding query per row")
     full_length = view.shape[2]
     if query.shape[2] == 1 and not reference and view.pages is not None:  # a decoding step: read in place
-        out, lse, sums, entry_weights = read_paged(query, view, scaling, col_sums, weights, select)
-        return ReadResult(out, lse, _in_view(sums, select, full_length), _in_view(entry_weights, select, full_length))
+        out, lse, sums, per_entry = read_paged(query, view, scaling, col_sums, weights, select)
+        return ReadResult(out, lse, _in_view(sums, select, full_length), _in_view(per_entry, select, full_length))
     if select is not None:
         view = view.select(select)
     if weights:  # not in place: the reference's weights, beside the read
         result = read(query, query_positions, view, scaling, col_sums=col_sums, need_lse=need_lse, reference=reference)
-        entry_weights = decode_weights(query, query_positions, view, scaling, reference)
-        return ReadResult(result.out, result.lse, _in_view(result.col_sums, select, full_length), _in_view(entry_weights, select, full_length))
+        per_entry = decode_weights(query, query_positions, view, scaling, reference)
+        return ReadResult(result.out, result.lse, _in_view(result.col_sums, select, full_length), _in_view(per_entry, select, full_length))
     if reference:
         out, lse, sums = read_reference(query, query_positions, view, scaling, col_sums)
         out = out.to(query.dtype)
@@ -94,29 +94,30 @@ def read_paged(query: torch.Tensor, view: KVView, scaling: float, col_sums: bool
     over the columns read (L = k with a selection): the sums are the weights' mean over the GQA group."""
     pages = view.pages if select is None else select_pages(view.pages, select)
     length = view.shape[2] if select is None else select.shape[2]
-    out, lse, entry_weights = _read_pages(query, pages, length, scaling, col_sums or weights)
-    sums = None
-    if entry_weights is not None:
-        rows, hq, length = entry_weights.shape
-        entry_weights = entry_weights.view(rows, view.shape[1], hq // view.shape[1], length)
-        sums = entry_weights.mean(dim=2) if col_sums else None
+    out, lse, logits = _read_pages(query, pages, length, scaling, col_sums or weights)
+    sums = per_head = None
+    heads = view.shape[1]
+    group = query.shape[1] // heads
+    if weights:
+        per_head = entry_weights(logits, lse, group, mean=False).view(query.shape[0], heads, group, length)
+        sums = per_head.mean(dim=2) if col_sums else None
+    elif col_sums:
+        sums = entry_weights(logits, lse, group, mean=True)
     out, lse = out[:, :, None], lse[:, :, None]
     if view.summary is not None:
-        out, lse = merge_summary(query, out, lse, view.summary, view.shape[1], scaling)
-    return out, lse, sums, entry_weights if weights else None
+        out, lse = merge_summary(query, out, lse, view.summary, heads, scaling)
+    return out, lse, sums, per_head
 
 
-def _read_pages(query: torch.Tensor, pages: Pages, length: int, scaling: float, weights: bool
+def _read_pages(query: torch.Tensor, pages: Pages, length: int, scaling: float, logits: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The paged read of one decoding query per row [B, Hq, 1, d] over ``length`` columns, without the summary: out
-    [B, Hq, d], lse [B, Hq] float32 and, if asked, each entry's weight [B, Hq, L]: exp(logit − lse) from the logits the
-    read filled in (0 on holes and padding)."""
+    [B, Hq, d], lse [B, Hq] float32 and, if asked, each entry's logit [B, Hq, L] as the read filled them in (-inf on
+    holes and padding: ``entry_weights`` makes them weights)."""
     keys, values, coded = pages.arrays()
     rows, hq = query.shape[0], query.shape[1]
-    scores = torch.full((rows, hq, length), -math.inf, device=query.device) if weights else None
+    scores = torch.full((rows, hq, length), -math.inf, device=query.device) if logits else None
     out, lse = paged_decode(query[:, :, 0], keys, values, pages.tables, pages.lengths, pages.log_weights, scaling, coded, scores, length)
-    if scores is not None:
-        scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # in place; exp(-inf) = 0 on holes
     return out, lse, scores
 
 
@@ -128,8 +129,8 @@ def decode_weights(query: torch.Tensor, query_positions: torch.Tensor, view: KVV
     b, hq, _, _ = query.shape
     heads, length = view.shape[1], view.shape[2]
     if view.pages is not None and not reference:
-        _, _, weights = _read_pages(query, view.pages, length, scaling, True)
-        return weights.view(b, heads, hq // heads, length)
+        _, lse, logits = _read_pages(query, view.pages, length, scaling, True)
+        return entry_weights(logits, lse, hq // heads, mean=False).view(b, heads, hq // heads, length)
     logits = masked_logits(group_queries(query, heads), view.keys, scaling, query_positions, view.positions, view.valid,
                            view.log_weights)
     return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)[:, :, :, 0]

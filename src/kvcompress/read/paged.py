@@ -119,6 +119,25 @@ def paged_decode_torch(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return out.reshape(rows, hq, d).to(query.dtype), lse.reshape(rows, hq)
 
 
+def entry_weights(scores: torch.Tensor, lse: torch.Tensor, group: int, mean: bool) -> torch.Tensor:
+    """Each entry's attention weight exp(logit − lse) from a decoding read's logits ``scores`` [R, Hq, L] (as
+    ``paged_decode`` fills them: -inf on holes and past a head's length) and its ``lse`` [R, Hq]: [R, Hq, L], in ``scores``
+    itself; with ``mean``, their mean over each KV head's ``group`` query heads, [R, Hq / group, L] (what column sums
+    take). 0 on holes, past a head's length and where a query head read nothing. On the CPU one compiled pass
+    (``csrc/paged_decode.cpp``); elsewhere ``entry_weights_torch``, the reference."""
+    kernel = cpu_kernels() if scores.device.type == "cpu" else None
+    if kernel is None:
+        return entry_weights_torch(scores, lse, group, mean)
+    return kernel.entry_weights(scores, lse.contiguous(), group, mean)
+
+
+def entry_weights_torch(scores: torch.Tensor, lse: torch.Tensor, group: int, mean: bool) -> torch.Tensor:
+    """``entry_weights`` in plain PyTorch: the reference."""
+    weights = scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # in place; exp(-inf) = 0 on holes
+    rows, query_heads, length = weights.shape
+    return weights.view(rows, query_heads // group, group, length).mean(dim=2) if mean else weights
+
+
 def _fill_scores(scores: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor) -> None:
     """Write logits [R, Hq, L'] into ``scores`` [R, Hq, L] where each query's head holds entries (the contract's
     in-place fill: columns past a head's length untouched)."""
