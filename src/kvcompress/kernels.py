@@ -23,11 +23,14 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "summary_merge.cpp", "select_tables.cpp",
                                                               "top_pages.cpp", "merge_pairs.cpp", "compact_tables.cpp", "deltakv_rebuild.cpp",
                                                               "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp", "decode_layer.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+NOTHING = torch.empty(0)  # the kernels' "none" for a tensor argument
 _built: object | None = None
 _failed: str | None = None
 

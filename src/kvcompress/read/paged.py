@@ -33,10 +33,10 @@ import math
 
 import torch
 
-from ..kernels import cpu_kernels
+from ..kernels import NOTHING, cpu_kernels
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
 from ..store.view import DeltaKVBlocks, KiviBlocks
-from .tables import KIVI_FIELDS, NOTHING, kernel_log_weights, stacked, stacked_log_weights
+from .tables import KIVI_FIELDS, kernel_log_weights, stacked, stacked_log_weights
 
 
 def triton_kernel():

@@ -7,11 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu_kernels
+from ..kernels import NOTHING, cpu_kernels
 from ..store.view import Pages
 
 
-NOTHING = torch.empty(0)  # the kernels' "none" for a tensor argument
 KIVI_FIELDS = ("key_codes", "key_zero", "key_scale", "value_codes", "value_zero", "value_scale")  # the kernels' order
 
 
@@ -58,4 +57,4 @@ def stacked_log_weights(tables: list[torch.Tensor], log_weights: list[torch.Tens
     return stacked([torch.zeros(t.shape, device=t.device) if w is None else w.float() for t, w in zip(tables, log_weights)], length, 0.0)
 
 
-__all__ = ["KIVI_FIELDS", "NOTHING", "kernel_log_weights", "select_pages", "select_tables_torch", "stacked", "stacked_log_weights"]
+__all__ = ["KIVI_FIELDS", "kernel_log_weights", "select_pages", "select_tables_torch", "stacked", "stacked_log_weights"]

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernels import cpu_kernels
+from ..kernels import NOTHING, cpu_kernels
 from .codecs import Codec, PlainCodec, field_bytes
 from .view import PAD_POSITION, UNCHANGED, DeltaKVBlocks, Edit, Entries, KiviBlocks, KVView, Pages
 
@@ -948,8 +948,8 @@ def compact_rows(ids: torch.Tensor, weights: torch.Tensor | None, keep: torch.Te
     kernel = cpu_kernels() if ids.device.type == "cpu" else None
     if kernel is None:
         return compact_rows_torch(ids, weights, keep, lengths)
-    empty = torch.empty(0) if weights is None else weights
-    dropped, counts = kernel.compact_tables(ids, empty, keep.contiguous(), lengths.contiguous(), PAD_SLOT, PAD_POSITION)
+    dropped, counts = kernel.compact_tables(ids, NOTHING if weights is None else weights, keep.contiguous(), lengths.contiguous(),
+                                            PAD_SLOT, PAD_POSITION)
     return dropped, counts
 
 
