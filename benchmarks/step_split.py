@@ -14,8 +14,9 @@ inside the kernels a step, and the reads' budget: what the time inside the kerne
 
 ``--floor`` adds, for each method whose read makes DeltaKV's keys from their 4-bit codes (``deltakv_decode`` with
 8-bit key columns), the arithmetic floor of that product alone: one more step counts the coded entries the reads take,
-each a d_c × d product of bytes, and divides by this CPU's peak rate of the byte products the read runs (AVX2's
-``maddubs`` with a 16-bit add, six independent chains on weights in L1, on one thread: ``peak_byte_products``) times
+each a d_c × d product of bytes, and divides by this CPU's peak rate of the byte products the read runs (AVX512-VNNI's
+``dpbusd``, else AVX2's ``maddubs`` with a 16-bit add, in independent chains on weights in L1, on one thread:
+``peak_byte_products``) times
 ``--threads``, as if every thread ran at that peak all the time. Where the floor exceeds the budget, no read that makes
 each coded key from its codes at every step reaches the bar on this machine.
 """
@@ -44,26 +45,41 @@ PEAK_SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-// Byte products a nanosecond on one thread at AVX2's peak, as the DeltaKV read takes them: six independent chains, each
-// a maddubs (32 unsigned codes x signed weights, pairs summed in 16 bits) of weights loaded from L1, added in 16 bits.
-// 0 without AVX2.
+// Byte products a nanosecond on one thread at the peak of the instruction the DeltaKV read takes them with, on weights
+// loaded from L1 in independent chains: with AVX512-VNNI, dpbusd (64 unsigned codes x signed weights, fours summed into
+// 32 bits); else with AVX2, maddubs (32 of them, pairs summed in 16 bits) added in 16 bits. 0 without either.
 double peak_byte_products(int64_t rounds) {
-#if defined(__AVX2__)
-  constexpr int CHAINS = 6;  // with the codes and a product, within AVX2's 16 registers (no sum spilled)
-  alignas(32) int8_t weights[CHAINS * 32];
-  for (int i = 0; i < CHAINS * 32; ++i) weights[i] = static_cast<int8_t>(i % 7 - 3);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  constexpr int CHAINS = 16, LANES = 64;  // as many chains as the read's sums
+  alignas(64) int8_t weights[CHAINS * LANES];
+  for (int i = 0; i < CHAINS * LANES; ++i) weights[i] = static_cast<int8_t>(i % 7 - 3);
   __asm__ volatile("" : : "r"(weights) : "memory");  // the weights are not known when the loop is compiled
+  __m512i codes = _mm512_set1_epi8(3), sums[CHAINS];
+  for (int i = 0; i < CHAINS; ++i) sums[i] = _mm512_setzero_si512();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) {
+    for (int i = 0; i < CHAINS; ++i) sums[i] = _mm512_dpbusd_epi32(sums[i], codes, _mm512_load_si512(weights + LANES * i));
+    __asm__ volatile("" : "+v"(codes));  // the products are taken anew each round
+  }
+  const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 0; i < CHAINS; ++i) __asm__ volatile("" : : "v"(sums[i]));  // the sums are used: every product is taken
+  return static_cast<double>(LANES) * CHAINS * static_cast<double>(rounds) / ns;
+#elif defined(__AVX2__)
+  constexpr int CHAINS = 6, LANES = 32;  // with the codes and a product, within AVX2's 16 registers (no sum spilled)
+  alignas(32) int8_t weights[CHAINS * LANES];
+  for (int i = 0; i < CHAINS * LANES; ++i) weights[i] = static_cast<int8_t>(i % 7 - 3);
+  __asm__ volatile("" : : "r"(weights) : "memory");
   __m256i codes = _mm256_set1_epi8(3), sums[CHAINS];
   for (int i = 0; i < CHAINS; ++i) sums[i] = _mm256_setzero_si256();
   const auto start = std::chrono::steady_clock::now();
   for (int64_t r = 0; r < rounds; ++r) {
     for (int i = 0; i < CHAINS; ++i)
-      sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(codes, _mm256_load_si256(reinterpret_cast<const __m256i*>(weights + 32 * i))));
-    __asm__ volatile("" : "+x"(codes));  // the products are taken anew each round
+      sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(codes, _mm256_load_si256(reinterpret_cast<const __m256i*>(weights + LANES * i))));
+    __asm__ volatile("" : "+x"(codes));
   }
   const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
-  for (int i = 0; i < CHAINS; ++i) __asm__ volatile("" : : "x"(sums[i]));  // the sums are used: every product is taken
-  return 32.0 * CHAINS * static_cast<double>(rounds) / ns;
+  for (int i = 0; i < CHAINS; ++i) __asm__ volatile("" : : "x"(sums[i]));
+  return static_cast<double>(LANES) * CHAINS * static_cast<double>(rounds) / ns;
 #else
   return 0.0;
 #endif
@@ -107,7 +123,8 @@ def coded_key_products(args) -> int:
 
 
 def peak_byte_products() -> float:
-    """This CPU's byte products a nanosecond on one thread at AVX2's peak (0 without AVX2), the best of three."""
+    """This CPU's byte products a nanosecond on one thread at the peak of the read's instruction (AVX512-VNNI's dpbusd,
+    else AVX2's maddubs; 0 without either), the best of three."""
     from torch.utils.cpp_extension import load_inline
 
     _ninja_on_path()
@@ -172,7 +189,7 @@ def main() -> None:
         parser.error("the compiled CPU kernels are not built here: nothing to split the step by")
     peak = peak_byte_products() if args.floor else None
     if args.floor and not peak:
-        parser.error("--floor measures AVX2's byte products, and this CPU or compiler has no AVX2")
+        parser.error("--floor measures AVX512-VNNI's or AVX2's byte products, and this CPU or compiler has neither")
     kernels = TimedKernels(module)
     kvcompress.kernels._built = kernels  # what ``cpu_kernels()`` hands every caller from now on (they look it up per call)
     model, _ = load_model()

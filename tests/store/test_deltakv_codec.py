@@ -355,8 +355,9 @@ def test_an_in_place_read_of_heads_longer_than_a_chunk_equals_the_reference(stor
 @pytest.mark.parametrize("extreme", [False, True])
 def test_the_integer_key_product_at_model_shapes_equals_the_pytorch_read(heads, head_dim, code_width, extreme):
     """The compiled read's key product (4-bit codes against the decoder's key columns in 8 bits, ``key_product`` in
-    csrc/deltakv_rebuild.cpp) against the PyTorch read: at SmolLM2's shape (3 KV heads of 64, d_c 192) and at shapes that take
-    the 32-column path, the 8-column path, the scalar tail and a last run of fewer than eight quads of 16-bit sums.
+    csrc/deltakv_rebuild.cpp) against the PyTorch read: at SmolLM2's shape (3 KV heads of 64, d_c 192) and at shapes that take,
+    with AVX512-VNNI, the 64- and 16-column paths with quads left after the four chains; with AVX2, the 32- and 8-column
+    paths and a last run of fewer than eight quads of 16-bit sums; and the scalar tail.
     ``extreme``: every code 15 and every key weight ±127, the largest sums the 16-bit stage must hold."""
     gen = torch.Generator().manual_seed(head_dim + code_width)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)

@@ -244,8 +244,8 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
 //   2. per (row, KV head, chunk of its entries: DecodeTasks), a softmax in float32. A coded entry's key is made where its logit
 //      is taken: RoPE_t(part ⊙ s_K + Σ_r U_r / k), its head's part of z · W_K taken there in exact integers where the
 //      decoder is as a checkpoint stores it (int8 columns W = steps ⊙ codes): z · W = steps ⊙ (zero · Σ_c codes +
-//      step · (c · codes)), c · codes over its 4-bit c in AVX2's byte products (`key_product`). Its value never is: values
-//      carry no RoPE, so
+//      step · (c · codes)), c · codes over its 4-bit c in AVX512-VNNI's or AVX2's byte products (`key_product`). Its
+//      value never is: values carry no RoPE, so
 //        Σ p_i v̂_i = ((Σ p_i z_i) · W_V) ⊙ s_V + Σ_r (Σ_{i names r} p_i / k) v_r,
 //      the chunk keeping Σ p z as Σ p·zero and Σ (p·step) c, and each reference's weight (a reference read as an entry
 //      adds its p there too), its value read once per chunk. The merge projects Σ p z by the head's value columns once
@@ -327,13 +327,49 @@ struct Coded {
 };
 
 // c · W for one head: Σ_c codes[c] · W[c, first + j] [d] int32, exact, of codes [d_c] (each 0-15) and the layer's int8 columns
-// in quads [d_c / 4, columns, 4] (W[4q + i, j] at (q · columns + j) · 4 + i). With AVX2, eight columns a register: four
-// codes broadcast against each column's four weights in one byte product (`maddubs`: a pair's products summed in 16 bits,
-// |sum| ≤ 2 · 15 · 128), eight quads' pairs summed in 16 bits (≤ 30720: never saturated), then into 32 bits.
+// in quads [d_c / 4, columns, 4] (W[4q + i, j] at (q · columns + j) · 4 + i). With AVX512-VNNI, sixteen columns a register:
+// four codes broadcast against each column's four weights, the four products summed into 32 bits in one instruction
+// (`dpbusd`), the quads split over four chains of sums so that no instruction waits on the one before. With AVX2, eight
+// columns a register: four codes broadcast against each column's four weights in one byte product (`maddubs`: a pair's
+// products summed in 16 bits, |sum| ≤ 2 · 15 · 128), eight quads' pairs summed in 16 bits (≤ 30720: never saturated), then
+// into 32 bits.
 inline void key_product(const uint8_t* codes, int64_t code_width, const int8_t* quads, int64_t columns, int64_t first, int64_t d,
                         int32_t* out) {
   const int64_t quad_count = code_width / 4;
   int64_t j = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  constexpr int CHAINS = 4;
+  const auto broadcast_codes = [&](int64_t q) {
+    int32_t four;
+    std::memcpy(&four, codes + 4 * q, 4);
+    return _mm512_set1_epi32(four);
+  };
+  for (; j + 64 <= d; j += 64) {  // four registers of columns, each summed in CHAINS chains over the quads
+    __m512i acc[CHAINS][4];
+    for (int c = 0; c < CHAINS; ++c)
+      for (int b = 0; b < 4; ++b) acc[c][b] = _mm512_setzero_si512();
+    int64_t q = 0;
+    for (; q + CHAINS <= quad_count; q += CHAINS)
+      for (int c = 0; c < CHAINS; ++c) {
+        const __m512i a = broadcast_codes(q + c);
+        const int8_t* row = quads + ((q + c) * columns + first + j) * 4;
+        for (int b = 0; b < 4; ++b) acc[c][b] = _mm512_dpbusd_epi32(acc[c][b], a, _mm512_loadu_si512(row + 64 * b));
+      }
+    for (; q < quad_count; ++q) {
+      const __m512i a = broadcast_codes(q);
+      const int8_t* row = quads + (q * columns + first + j) * 4;
+      for (int b = 0; b < 4; ++b) acc[0][b] = _mm512_dpbusd_epi32(acc[0][b], a, _mm512_loadu_si512(row + 64 * b));
+    }
+    for (int b = 0; b < 4; ++b)
+      _mm512_storeu_si512(out + j + 16 * b, _mm512_add_epi32(_mm512_add_epi32(acc[0][b], acc[1][b]), _mm512_add_epi32(acc[2][b], acc[3][b])));
+  }
+  for (; j + 16 <= d; j += 16) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t q = 0; q < quad_count; ++q)
+      acc = _mm512_dpbusd_epi32(acc, broadcast_codes(q), _mm512_loadu_si512(quads + (q * columns + first + j) * 4));
+    _mm512_storeu_si512(out + j, acc);
+  }
+#endif
 #if defined(__AVX2__)
   constexpr int64_t QUADS_IN_16_BITS = 8;
   const __m256i ones = _mm256_set1_epi16(1);
