@@ -44,7 +44,15 @@ def test_bench_reports_the_bytes_keepkv_keeps_off_the_device_for_refresh():
 
 
 def test_a_result_file_names_the_cpu_and_its_vector_instructions():
-    """Timings compare only on one kind of CPU: bench.json says which (model name, and ATen's capability: AVX2, AVX512…)."""
+    """Timings compare only on one kind of CPU: bench.json says which (model name, family and model numbers where the
+    system gives them, and ATen's capability: AVX2, AVX512…)."""
     described = cpu_description()
     assert described.endswith(f"({torch.backends.cpu.get_cpu_capability()})") and len(described) > len("(AVX2)") + 1
+    try:
+        with open("/proc/cpuinfo") as handle:
+            family = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("cpu family")), None)
+    except OSError:
+        family = None
+    if family is not None:
+        assert f"family {family} model " in described
 

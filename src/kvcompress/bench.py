@@ -65,14 +65,23 @@ def peak_memory(device: torch.device):
 
 
 def cpu_description() -> str:
-    """This machine's CPU and the vector instructions ATen picked for it ("AMD EPYC (AVX2)"), for a result file: timings
-    are comparable only between runs on the same kind of CPU."""
-    name = "unknown CPU"
+    """This machine's CPU, its family and model numbers where the system gives them, and the vector instructions ATen
+    picked for it ("AMD EPYC, family 26 model 2 (AVX512)"), for a result file: timings are comparable only between runs
+    on the same kind of CPU, and a virtual machine's model name alone ("AMD EPYC") does not tell one generation from
+    another."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as handle:
-            name = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), name)
+            for line in handle:
+                key, _, value = line.partition(":")
+                if not key.strip():  # the first processor's block ends at its blank line
+                    break
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f", family {fields['cpu family']} model {fields['model']}"
     return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
