@@ -7,6 +7,7 @@ PyTorch path beside its caller, the reference it is tested against and what runs
 * ``summary_merge.cpp``: a summary of what left (MomentKV's moments) merged into a decoding read (``read/sdpa.py``);
 * ``select_tables.cpp``: a decoding read's selection laid over the rows' slot tables (``read/tables.py``);
 * ``top_pages.cpp``: Quest's page bounds and best pages as entry columns (``read/pages.py``);
+* ``omnikv_tokens.cpp``: OmniKV's chosen tokens and a layer's columns holding them (``methods/omnikv.py``);
 * ``merge_pairs.cpp``: the merging methods' decoding pairs, the entry that leaves and its carrier (``methods/merging.py``);
 * ``compact_tables.cpp``: a slot table's rows keeping what a mask marks, in place (``store/slots.py``);
 * ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``), and read in place by a decoding read
@@ -27,8 +28,9 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "summary_merge.cpp", "select_tables.cpp",
-                                                              "top_pages.cpp", "merge_pairs.cpp", "compact_tables.cpp", "deltakv_rebuild.cpp",
-                                                              "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp", "decode_layer.cpp")]
+                                                              "top_pages.cpp", "omnikv_tokens.cpp", "merge_pairs.cpp", "compact_tables.cpp",
+                                                              "deltakv_rebuild.cpp", "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp",
+                                                              "decode_layer.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 NOTHING = torch.empty(0)  # the kernels' "none" for a tensor argument
 _built: object | None = None

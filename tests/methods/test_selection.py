@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from common import tiny_model
 import kvcompress as kvc
 from kvcompress.methods import get_method
-from kvcompress.methods.omnikv import STEP, filter_layers
+from kvcompress.kernels import cpu_kernels
+from kvcompress.methods.omnikv import STEP, chosen_tokens_torch, filter_layers, token_columns_torch
 from kvcompress.methods.selection import true_columns
 from kvcompress.read import attend_reference, attention_probs, group_queries, page_bounds_torch, read
 from kvcompress.store.slots import SlotPool, SlotTable
@@ -193,6 +194,66 @@ def test_omnikv_layers_reading_one_choice_each_read_their_own_columns_of_it(spec
     steps = [readers[:3], readers[3:]]  # layers 2, 3 and 4 of each step
     different = [not torch.equal(a[0].positions, b[0].positions) for step in steps for a, b in zip(step, step[1:])]
     assert any(different) == spec.startswith("snapkv")
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 3), heads=st.integers(1, 3), groups=st.integers(1, 3), width=st.integers(1, 40),
+       tokens=st.integers(1, 50), sinks=st.integers(0, 4), recent=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_the_compiled_choice_and_columns_of_omnikv_equal_the_references(rows, heads, groups, width, tokens, sinks, recent, seed):
+    """``csrc/omnikv_tokens.cpp`` against ``chosen_tokens_torch`` and ``token_columns_torch``: ragged heads (empty ones
+    too), padding, entries past the tokens chosen from, budgets of none to more than every token, strided positions."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, width + 1, (rows, heads), generator=gen)
+    spread = max(tokens + 3, width)  # some positions past ``tokens``: the reference's spare column
+    held = torch.stack([torch.randperm(spread, generator=gen)[:width] for _ in range(rows * heads)]).view(rows, heads, width)
+    store = torch.full((rows, heads, width, 2), 2**31 - 1, dtype=torch.long)
+    store[..., 1] = torch.where(torch.arange(width) < lengths[..., None], held, 2**31 - 1)
+    positions = store[..., 1]  # strided, as a view's may be
+    weights = torch.rand(rows, heads, groups, width, generator=gen)
+    budget = torch.randint(0, tokens + 3, (rows,), generator=gen)
+    kernel = cpu_kernels()
+    wanted = chosen_tokens_torch(positions, lengths, budget, weights, sinks, recent, tokens)
+    assert torch.equal(kernel.chosen_tokens(weights, positions, lengths, budget, sinks, recent, tokens), wanted)
+    assert torch.equal(kernel.token_columns(wanted, positions, lengths, sinks, recent),
+                       token_columns_torch(positions, lengths, wanted, sinks, recent))
+    for b in range(rows):  # the reference itself: every protected token, then the best scores, up to the budget
+        score, protected = {}, set()
+        for h in range(heads):
+            n = int(lengths[b, h])
+            for j in range(n):
+                token = int(positions[b, h, j])
+                if token >= tokens:
+                    continue
+                if j < sinks or j >= n - recent:
+                    protected.add(token)
+                score[token] = max(score.get(token, -1.0), float(weights[b, h, :, j].max()))
+        chosen = set(wanted[b].nonzero().flatten().tolist())
+        assert protected <= chosen <= set(score) and len(chosen) == min(len(score), max(int(budget[b]), len(protected)))
+        left = [score[t] for t in set(score) - chosen]
+        assert not left or all(score[t] >= max(left) for t in chosen - protected)
+
+
+def test_the_compiled_omnikv_choice_refuses_what_it_cannot_read():
+    kernel = cpu_kernels()
+    positions, lengths = torch.zeros(1, 2, 5, dtype=torch.long), torch.full((1, 2), 5)
+    with pytest.raises(RuntimeError, match="weights float32"):
+        kernel.chosen_tokens(torch.rand(1, 2, 1, 4), positions, lengths, torch.tensor([2]), 0, 1, 3)
+    with pytest.raises(RuntimeError, match="a head holds 0 to L entries"):
+        kernel.token_columns(torch.ones(1, 3, dtype=torch.bool), positions, torch.full((1, 2), 6), 0, 1)
+
+
+def test_omnikv_reads_the_same_without_the_compiled_choice(monkeypatch):
+    """Where the kernels cannot run, ``choose`` and ``columns`` take their PyTorch paths: the same tokens generated."""
+    import kvcompress.methods.omnikv as omnikv
+
+    model = tiny_model(layers=5, seed=4)
+    prompt = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+    outputs = []
+    for kernels in (cpu_kernels, lambda: None):
+        monkeypatch.setattr(omnikv, "cpu_kernels", kernels)
+        cache = kvc.CompressedCache(model, get_method("omnikv:budget=20:filters=[1,3]:sinks=2:recent=4"))
+        outputs.append(model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert torch.equal(outputs[0], outputs[1])
 
 
 # ----- cr, compositions, the engine ---------------------------------------------------------------

@@ -164,6 +164,10 @@ at::Tensor top_pages(const at::Tensor& query, const at::Tensor& bounds, const at
 std::vector<at::Tensor> select_tables(const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& weights,
                                       const at::Tensor& columns);
 
+at::Tensor chosen_tokens(const at::Tensor& weights, const at::Tensor& positions, const at::Tensor& lengths, const at::Tensor& budget,
+                         int64_t sinks, int64_t recent, int64_t tokens);
+at::Tensor token_columns(const at::Tensor& wanted, const at::Tensor& positions, const at::Tensor& lengths, int64_t sinks, int64_t recent);
+
 std::vector<at::Tensor> merge_pairs(const at::Tensor& keys, const std::vector<at::Tensor>& tables, const at::Tensor& score,
                                     const at::Tensor& open);
 

@@ -6,6 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("entry_weights", &entry_weights, "Each entry's attention weight from a decoding read's logits, or their mean over the group (CPU)");
   m.def("top_pages", &top_pages, "The best pages of each head by their bound of q·k, as entry columns (CPU)");
   m.def("select_tables", &select_tables, "A decoding read's selected columns of the rows' slot and log-weight tables (CPU)");
+  m.def("chosen_tokens", &chosen_tokens, "OmniKV's tokens for the layers after a filter layer, from its read's weights (CPU)");
+  m.def("token_columns", &token_columns, "A layer's columns holding OmniKV's chosen tokens or protected entries (CPU)");
   m.def("merge_pairs", &merge_pairs, "Per KV head, the entry that leaves by score and its most cosine-similar open key (CPU)");
   m.def("compact_tables", &compact_tables, "Slot table rows keeping the entries a mask marks, in place (CPU)");
   m.def("summary_merge", &summary_merge, "A decoding read's summary (an affine read of the query) merged into its output by log-sum-exp (CPU)");

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels import cpu_kernels
 from .parts import Reads
 from .selection import true_columns
 
@@ -105,41 +106,62 @@ class OmniKV(Reads):
         context.step[COLUMNS] = (view.lengths, view.positions, columns)
         return columns
 
-    def held_and_protected(self, view) -> tuple[torch.Tensor, torch.Tensor]:
-        """bool [B, H, L] each: the columns each head holds, and among them its sinks and most recent entries (always
-        read)."""
-        columns = torch.arange(view.shape[2], device=view.positions.device)
-        lengths = view.lengths.to(view.positions.device)[..., None]
-        held = columns < lengths
-        return held, ((columns < self.sinks) | (columns >= lengths - self.recent)) & held
-
     def choose(self, view, context, budget: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """bool [B, tokens]: the tokens (by position) the next layers read — the protected ones and the best
         of the rest by the largest attention weight of the step's query (``weights`` [B, H, G, L], the filter
-        layer's read's) over every query head, up to the read budget."""
-        b = view.shape[0]
+        layer's read's) over every query head, up to the read budget. On the CPU one compiled pass
+        (``csrc/omnikv_tokens.cpp``); elsewhere ``chosen_tokens_torch``, the reference."""
         tokens = int(context.tokens_seen.max())
-        held, protected = self.held_and_protected(view)
-        # an entry's score: its best weight over its query group; protected entries first (+inf), padding never (-inf)
-        score = weights.amax(dim=2).masked_fill_(~held, -math.inf).masked_fill_(protected, math.inf)
-        positions = view.positions.clamp(max=tokens).reshape(b, -1)  # padding → one spare column, cut below
-        # a token's score: its best over every head of the layer (entries hold a token once per head)
-        best = torch.full((b, tokens + 1), -math.inf, device=score.device)
-        best = best.scatter_reduce_(1, positions, score.reshape(b, -1), reduce="amax")[:, :tokens]
-        count = torch.maximum(budget.to(score.device), (best == math.inf).sum(-1))  # every protected token, at least
-        top = best.topk(min(int(count.max()), tokens), dim=-1)
-        take = (torch.arange(top.indices.shape[-1], device=score.device) < count[:, None]) & (top.values > -math.inf)
-        return torch.zeros(b, tokens, dtype=torch.bool, device=score.device).scatter_(1, top.indices, take)
+        kernel = cpu_kernels() if weights.device.type == "cpu" else None
+        if kernel is None:
+            return chosen_tokens_torch(view.positions, view.lengths, budget, weights, self.sinks, self.recent, tokens)
+        return kernel.chosen_tokens(weights.float().contiguous(), view.positions, view.lengths.contiguous(), budget.long().cpu(),
+                                    self.sinks, self.recent, tokens)
 
     def columns(self, view, wanted: torch.Tensor) -> torch.Tensor:
         """Indices [B, H, k] of this layer's entries holding the ``wanted`` tokens (bool [B, tokens]) and its
         own protected ones (they differ from the filter layer's when a compressed prompt left each layer
-        other tokens), -1 past each head's own count."""
-        b, tokens = wanted.shape
-        held, protected = self.held_and_protected(view)
-        index = view.positions.clamp(max=tokens - 1).reshape(b, -1)  # padding: any column (not held)
-        read = (wanted.gather(1, index).view(view.shape) & held) | protected
-        return true_columns(read)
+        other tokens), -1 past each head's own count. On the CPU one compiled pass (``csrc/omnikv_tokens.cpp``);
+        elsewhere ``token_columns_torch``, the reference."""
+        kernel = cpu_kernels() if wanted.device.type == "cpu" else None
+        if kernel is None:
+            return token_columns_torch(view.positions, view.lengths, wanted, self.sinks, self.recent)
+        return kernel.token_columns(wanted.contiguous(), view.positions, view.lengths.contiguous(), self.sinks, self.recent)
 
 
-__all__ = ["OmniKV", "filter_layers"]
+def held_and_protected(positions: torch.Tensor, lengths: torch.Tensor, sinks: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B, H, L] each, for a view's ``positions`` [B, H, L] and ``lengths`` [B, H]: the columns each head holds,
+    and among them its ``sinks`` first and ``recent`` last entries (always read)."""
+    columns = torch.arange(positions.shape[2], device=positions.device)
+    lengths = lengths.to(positions.device)[..., None]
+    held = columns < lengths
+    return held, ((columns < sinks) | (columns >= lengths - recent)) & held
+
+
+def chosen_tokens_torch(positions: torch.Tensor, lengths: torch.Tensor, budget: torch.Tensor, weights: torch.Tensor, sinks: int,
+                        recent: int, tokens: int) -> torch.Tensor:
+    """``OmniKV.choose`` in plain PyTorch, the reference: bool [B, tokens]."""
+    b = positions.shape[0]
+    held, protected = held_and_protected(positions, lengths, sinks, recent)
+    # an entry's score: its best weight over its query group; protected entries first (+inf), padding never (-inf)
+    score = weights.float().amax(dim=2).masked_fill_(~held, -math.inf).masked_fill_(protected, math.inf)
+    positions = positions.clamp(max=tokens).reshape(b, -1)  # padding → one spare column, cut below
+    # a token's score: its best over every head of the layer (entries hold a token once per head)
+    best = torch.full((b, tokens + 1), -math.inf, device=score.device)
+    best = best.scatter_reduce_(1, positions, score.reshape(b, -1), reduce="amax")[:, :tokens]
+    count = torch.maximum(budget.to(score.device), (best == math.inf).sum(-1))  # every protected token, at least
+    top = best.topk(min(int(count.max()), tokens), dim=-1)
+    take = (torch.arange(top.indices.shape[-1], device=score.device) < count[:, None]) & (top.values > -math.inf)
+    return torch.zeros(b, tokens, dtype=torch.bool, device=score.device).scatter_(1, top.indices, take)
+
+
+def token_columns_torch(positions: torch.Tensor, lengths: torch.Tensor, wanted: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """``OmniKV.columns`` in plain PyTorch, the reference: int64 [B, H, k]."""
+    b, tokens = wanted.shape
+    held, protected = held_and_protected(positions, lengths, sinks, recent)
+    index = positions.clamp(max=tokens - 1).reshape(b, -1)  # padding: any column (not held)
+    read = (wanted.gather(1, index).view(positions.shape) & held) | protected
+    return true_columns(read)
+
+
+__all__ = ["OmniKV", "chosen_tokens_torch", "filter_layers", "token_columns_torch"]
