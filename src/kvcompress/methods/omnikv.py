@@ -87,7 +87,7 @@ class OmniKV(Reads):
             return None
         if context.step.get(STEP) is None:
             return None  # the budget reads every token
-        return self.layer_columns(view, context)
+        return self.layer_columns(view, context, same_columns=not policy.evicts)
 
     def wants_read_weights(self, policy, context) -> bool:
         """At a filter layer whose budget does not read every token: its read's weights choose the tokens."""
@@ -96,11 +96,12 @@ class OmniKV(Reads):
     def read_weights(self, policy, view, context, weights: torch.Tensor) -> None:
         context.step[STEP] = self.choose(view, context, context.step[BUDGET], weights)
 
-    def layer_columns(self, view, context) -> torch.Tensor:
-        """``columns`` of the filter layer's choice for this layer; a layer holding the same tokens in the same
-        columns as the layer before it (no eviction: every layer holds every token) reads the same columns."""
+    def layer_columns(self, view, context, same_columns: bool) -> torch.Tensor:
+        """``columns`` of the filter layer's choice for this layer. A layer holding the same tokens in the same columns
+        as the layer before it reads the same columns: every layer does where nothing is evicted (``same_columns``:
+        every token is held in every layer, in the order it came), else where its lengths and positions are the same."""
         held = context.step.get(COLUMNS)
-        if held is not None and torch.equal(held[0], view.lengths) and torch.equal(held[1], view.positions):
+        if held is not None and (same_columns or (torch.equal(held[0], view.lengths) and torch.equal(held[1], view.positions))):
             return held[2]
         columns = self.columns(view, context.step[STEP])
         context.step[COLUMNS] = (view.lengths, view.positions, columns)
