@@ -106,6 +106,7 @@ class Session:
         self._step_layer = 0  # the next layer of that step to write its entries
         self.replay_pending = False  # the prompt is prefilled and waits for its replay (KVzip) to be compressed
         self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
+        self._counted: tuple[torch.Tensor | None, int] = (None, 0)  # the last selection counted, and its count
         storage = method.storage_for(pool.dtype, num_layers)
         self.code_tier = pool.tier(storage[0]) if storage else 0  # coded storage: the pool tier, 0 = plain
         self.code_recent = storage[1] if storage else 0  # newest entries per head kept plain
@@ -329,8 +330,14 @@ class Session:
         if self.method.selects:
             select = self.method.select(view if view is not None else self.view(layer_idx),
                                         self._context_or_new(context, layer_idx, query, positions))
-        self._count_reads(int(self.lengths(layer_idx).sum()) if select is None else int((select >= 0).sum()), [layer_idx])
+        self._count_reads(int(self.lengths(layer_idx).sum()) if select is None else self._selected(select), [layer_idx])
         return select
+
+    def _selected(self, select: torch.Tensor) -> int:
+        """The entries a selection names; the layers reading one choice (OmniKV's) share one tensor, counted once."""
+        if select is not self._counted[0]:
+            self._counted = (select, int((select >= 0).sum()))
+        return self._counted[1]
 
     def wants_read_weights(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor,
                            context: LayerContext | None = None) -> bool:
