@@ -100,7 +100,7 @@ def test_steps_the_compiled_layer_cannot_take_run_the_python_layers(streamed, me
 
 
 def test_more_rows_than_linear_rows_streams_run_the_python_layers(streamed):
-    """Past ``ROWS_STREAMED`` rows the products are oneDNN's (or a widened product), which the compiled layer does not
+    """Past ``rows_streamed`` rows the products are oneDNN's (or a widened product), which the compiled layer does not
     call: such steps run in Python, with the same logits as before."""
     llm = engine("llama", RUNS[0], seed=5)
     limit = llm.runner.decoder.layers[0].compiled_rows

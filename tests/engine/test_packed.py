@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from common import tiny_model
 from kvcompress.engine.decoder import Decoder
-from kvcompress.engine.packed import (ROWS_STREAMED, FusedLinear, PackedLinear, can_pack, packed_or_own, packs, packs_bfloat16,
-                                      streamed_dtypes)
+from kvcompress.engine.packed import (FusedLinear, PackedLinear, can_pack, packed_or_own, packs, packs_bfloat16,
+                                      rows_streamed, streamed_dtypes)
 from kvcompress.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.nn.Linear(2, 2)), reason="this torch build has no oneDNN packed linear")
@@ -52,7 +52,7 @@ def test_bfloat16_layers_are_not_copied_where_onednn_cannot_run_them(monkeypatch
         return
     assert fused.packed.weight is None and fused.nbytes == 0
     with torch.no_grad():
-        for rows in (1, ROWS_STREAMED[torch.bfloat16] + 5):
+        for rows in (1, rows_streamed(torch.bfloat16) + 5):
             x = torch.randn(rows, 64).to(torch.bfloat16)
             expected = torch.cat([F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float())
                                   for m in fused.modules], -1)
@@ -109,7 +109,7 @@ def test_a_step_streams_the_layers_own_weights_and_more_rows_do_not(monkeypatch,
     calls = []
     real = cpu_kernels().linear_rows
     monkeypatch.setattr(fused.packed, "rows", type("Spy", (), {"linear_rows": lambda self, *a: calls.append(a[0].shape[0]) or real(*a)})())
-    limit = ROWS_STREAMED[dtype]
+    limit = rows_streamed(dtype)
     tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
     with torch.no_grad():
         for rows in (1, limit, limit + 1):

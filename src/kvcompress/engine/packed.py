@@ -12,14 +12,15 @@ the copies cost one more set of the linear weights' bytes, reported by the engin
 ``F.linear`` only by the order of float32 sums (~1e-6 relative). The copies are made once: weights changed
 afterwards are not seen (the engine never changes them).
 
-A product over a decoding step's few rows (at most ``ROWS_STREAMED`` of its dtype) runs the compiled ``linear_rows``
+A product over a decoding step's few rows (at most ``rows_streamed`` of its dtype on this CPU) runs the compiled ``linear_rows``
 (``csrc/linear_rows.cpp``) where the CPU runs it: it reads the layers' own weights (a stack's pieces in turn, no copy),
 prefetched far ahead, and is limited by the memory's read rate where oneDNN's products over the packed copy are not. In
 bfloat16 with AVX512-BF16 (a decoding step of the 135M model in bfloat16, 8 rows: 19.2 → 16.6 ms); in float32 with AVX2
 and FMA (on an AVX2-only Zen 3, a step's products over 8 rows: 43 → 34 ms, over 4 rows 35-40 → 25-32 ms,
-benchmarks/linears.py); in bfloat16 with AVX2 and FMA alone, each weight widened in registers. Its float32 sums run in
+benchmarks/linears.py; on an AVX-512 Zen 5 over 8 rows 17.7 → 15.6 ms, and a step's layers then each one compiled
+call); in bfloat16 with AVX2 and FMA alone, each weight widened in registers. Its float32 sums run in
 another order again. Where oneDNN has no bfloat16 products (an AVX2-only CPU), bfloat16 layers are not copied: more rows
-than ``ROWS_STREAMED`` take a float32 product over their weights widened for the call (ATen's own bfloat16 product there
+than ``rows_streamed`` take a float32 product over their weights widened for the call (ATen's own bfloat16 product there
 is ~7× slower than float32's).
 """
 
@@ -34,9 +35,17 @@ from ..kernels import cpu_kernels
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROWS_HINT = 8  # rows oneDNN lays the weight out for (any number of rows may use it)
 # up to this many rows a product runs ``linear_rows`` (beyond, oneDNN's is as fast or faster): AVX512-BF16's bfloat16
-# dots, or AVX2's float32 multiply-adds (measured on a Zen 3: 20-30 % faster than oneDNN at 4-12 rows, level at 16)
+# dots; float32 multiply-adds, on an AVX2-only CPU (a Zen 3: 20-30 % faster than oneDNN at 4-12 rows, level at 16) and
+# on an AVX-512 one (a Zen 5: a step's products over 8 rows 15.6 ms against oneDNN's 17.7, level at 1-4 rows, slower at
+# 12: 20.0 against 19.0; the engine's float32 SnapKV step at 8 rows 22.8-23.4 ms against 23.5-25.9, at 12 rows 31.6
+# against 26.3)
 ROWS_STREAMED = {torch.bfloat16: 16, torch.float32: 12}
+ROWS_STREAMED_AVX512 = {torch.bfloat16: 16, torch.float32: 8}
 
+
+def rows_streamed(dtype: torch.dtype) -> int:
+    """The most rows a product of ``dtype`` runs ``linear_rows`` for on this CPU."""
+    return (ROWS_STREAMED if torch.backends.cpu.get_cpu_capability() == "AVX2" else ROWS_STREAMED_AVX512)[dtype]
 
 def can_pack(module: nn.Module) -> bool:
     """True for a plain ``nn.Linear`` on the CPU in float32 or bfloat16 that the engine runs its own product for: over a
@@ -64,8 +73,8 @@ def packs_bfloat16() -> bool:
 
 def streamed_dtypes() -> set[torch.dtype]:
     """The dtypes whose few-row products run ``linear_rows`` here: where it was measured faster than oneDNN's packed
-    product (bfloat16 with AVX512-BF16's dots; float32 on an AVX2-only CPU), or oneDNN has none (bfloat16 on an
-    AVX2-only CPU). On an AVX-512 CPU without BF16 dots, float32 and bfloat16 keep oneDNN's products (there they ran at
+    product (bfloat16 with AVX512-BF16's dots; float32, up to ``rows_streamed`` rows), or oneDNN has none (bfloat16 on
+    an AVX2-only CPU). On an AVX-512 CPU without BF16 dots, bfloat16 keeps oneDNN's products (there they ran at
     20-35 GB/s; this kernel's AVX2 multiply-adds were not measured against them)."""
     kernels = cpu_kernels()
     if kernels is None:
@@ -74,7 +83,7 @@ def streamed_dtypes() -> set[torch.dtype]:
     chosen = set()
     if torch.bfloat16 in runs and (kernels.linear_rows_bf16_dots() or not packs_bfloat16()):
         chosen.add(torch.bfloat16)
-    if torch.float32 in runs and torch.backends.cpu.get_cpu_capability() == "AVX2":
+    if torch.float32 in runs:
         chosen.add(torch.float32)
     return chosen
 
@@ -96,7 +105,7 @@ class PackedLinear:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ROWS_HINT)
             self.nbytes = stacked.numel() * stacked.element_size()
         streams = (dtype in streamed_dtypes() and self.own[0].shape[1] % 32 == 0 and all(w.is_contiguous() for w in self.own))
-        self.rows, self.rows_streamed = (cpu_kernels(), ROWS_STREAMED[dtype]) if streams else (None, 0)
+        self.rows, self.rows_streamed = (cpu_kernels(), rows_streamed(dtype)) if streams else (None, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is not None and x.dim() == 2 and x.shape[0] <= self.rows_streamed and x.dtype == self.own[0].dtype:
@@ -137,4 +146,5 @@ def copy_bytes(product: PackedLinear | FusedLinear | nn.Module) -> int:
     return product.nbytes if isinstance(product, (PackedLinear, FusedLinear)) else 0
 
 
-__all__ = ["FusedLinear", "PackedLinear", "can_pack", "copy_bytes", "packed_or_own", "packs", "packs_bfloat16", "streamed_dtypes"]
+__all__ = ["FusedLinear", "PackedLinear", "can_pack", "copy_bytes", "packed_or_own", "packs", "packs_bfloat16", "rows_streamed",
+           "streamed_dtypes"]
