@@ -337,6 +337,22 @@ def test_the_in_place_read_of_deltakv_equals_its_pytorch_path(rows, n, recent, g
     assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5) and torch.allclose(got_scores, want_scores, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("named", ["by a coded token", "by the table"])
+def test_the_in_place_read_refuses_a_reference_past_the_rope_table(named):
+    """A reference whose position lies past the RoPE table is refused before any work reads through it, whether a coded
+    token names it or a table names it as an entry of its own."""
+    pool, table, gen = _coded_rows(1, 40, 4, torch.float32, 3, stored=True)
+    pages = table.view(pool).pages
+    keys, values, blocks = pages.arrays()
+    tiers = pages.tables[0] >> TIER_SHIFT
+    wanted = blocks.tier if named == "by a coded token" else blocks.reference_tier
+    column = int((tiers[0] == wanted).nonzero()[0])
+    selected = select_pages(pages, torch.full((1, H, 1), column))
+    blocks.references["position"].fill_(blocks.codec.rotary.shape[0] + 5)
+    with pytest.raises(RuntimeError, match="past the table"):
+        paged_decode(torch.randn(1, H, D, generator=gen), keys, values, selected.tables, selected.lengths, None, 0.3, blocks)
+
+
 @pytest.mark.parametrize("stored", [False, True])
 def test_an_in_place_read_of_heads_longer_than_a_chunk_equals_the_reference(stored):
     """Heads of 1100 entries, read in several chunks whose sums (Σ p v, Σ p·zero, Σ (p·step) c, the references' weights)

@@ -147,17 +147,21 @@ void check_codec_arrays(const at::Tensor& codes, const at::Tensor& code_zero, co
               "rotary: float32 [P, d] (each position's cosines, then its sines), contiguous");
 }
 
-// A coded token's ids, checked before any work reads through them: its layer, its position and its references and theirs
-// (positions within the RoPE table of `table` rows).
+// A coded token's ids, checked before any work reads through them: its layer, its position (within the RoPE table of
+// `table` rows) and the ids of its references.
 void check_token(const char* who, int64_t b, const int16_t* layers, int64_t layer_count, const int32_t* positions,
-                 const int32_t* refs, int64_t top_k, int64_t references, const int32_t* ref_positions, int64_t table) {
+                 const int32_t* refs, int64_t top_k, int64_t references, int64_t table) {
   TORCH_CHECK(layers[b] >= 0 && layers[b] < layer_count, who, ": block ", b, " names layer ", layers[b]);
   TORCH_CHECK(positions[b] >= 0 && positions[b] < table, who, ": position ", positions[b], " past the table");
   for (int64_t r = 0; r < top_k; ++r) {
     const int32_t ref = refs[b * top_k + r];
     TORCH_CHECK(ref >= 0 && ref < references, who, ": block ", b, " names reference ", ref, " of ", references);
-    TORCH_CHECK(ref_positions[ref] >= 0 && ref_positions[ref] < table, who, ": position ", ref_positions[ref], " past the table");
   }
+}
+
+// A reference's position, within the RoPE table of `table` rows.
+void check_reference(const char* who, int64_t ref, const int32_t* ref_positions, int64_t table) {
+  TORCH_CHECK(ref_positions[ref] >= 0 && ref_positions[ref] < table, who, ": position ", ref_positions[ref], " past the table");
 }
 
 }  // namespace
@@ -188,8 +192,10 @@ std::vector<at::Tensor> deltakv_rebuild(const at::Tensor& entries, const at::Ten
   const int16_t* layer_ids = layers.data_ptr<int16_t>();
   const int32_t* position_ids = positions.data_ptr<int32_t>();
   const int32_t* ref_position_ids = ref_positions.data_ptr<int32_t>();
-  for (int64_t i = 0; i < n; ++i)  // ids out of range would read outside the arrays: checked before any work
-    check_token("deltakv_rebuild", block_ids[i], layer_ids, layer_count, position_ids, ref_ids, top_k, references, ref_position_ids, table);
+  for (int64_t i = 0; i < n; ++i) {  // ids out of range would read outside the arrays: checked before any work
+    check_token("deltakv_rebuild", block_ids[i], layer_ids, layer_count, position_ids, ref_ids, top_k, references, table);
+    for (int64_t r = 0; r < top_k; ++r) check_reference("deltakv_rebuild", ref_ids[block_ids[i] * top_k + r], ref_position_ids, table);
+  }
   auto z = at::empty({n, 2 * code_bytes}, decoder.options());
   auto sums = at::empty({n, width}, decoder.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ref_keys.scalar_type(), "deltakv_rebuild", [&] {
@@ -687,8 +693,7 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
         if (tokens.find(b) >= 0) continue;
         TORCH_CHECK(layer < 0 || layer_ids[b] == layer, "deltakv_decode: the tables name coded tokens of layers ", layer, " and ",
                     layer_ids[b], " (one read is one layer's)");
-        check_token("deltakv_decode", b, layer_ids, decoder.size(0), position_ids, ref_ids, top_k, tiers.references, ref_position_ids,
-                    table_rows);
+        check_token("deltakv_decode", b, layer_ids, decoder.size(0), position_ids, ref_ids, top_k, tiers.references, table_rows);
         layer = layer_ids[b];
         tokens.insert(b);
         for (int64_t k = 0; k < top_k; ++k) token_refs.push_back(static_cast<int32_t>(references.insert(ref_ids[b * top_k + k])));
@@ -696,6 +701,7 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
   }
   if (plain_only)  // a layer DeltaKV leaves raw: the plain read, with its vectorized paths
     return paged_decode(queries, scaling, keys, values, tables, lengths, weights, tier_shift, {}, {}, scores);
+  for (const int64_t ref : references.ids) check_reference("deltakv_decode", ref, ref_position_ids, table_rows);  // each once
   const int64_t n = static_cast<int64_t>(tokens.ids.size()), named_refs = static_cast<int64_t>(references.ids.size());
   auto unrotated = at::empty({named_refs, heads * d}, decoder.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "deltakv_decode_references", [&] {
