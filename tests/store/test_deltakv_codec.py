@@ -337,6 +337,26 @@ def test_the_in_place_read_of_deltakv_equals_its_pytorch_path(rows, n, recent, g
     assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5) and torch.allclose(got_scores, want_scores, atol=1e-5, rtol=1e-5)
 
 
+def test_an_in_place_read_of_plain_slots_only_goes_to_the_plain_read():
+    """Tables naming only plain slots and holes (a layer DeltaKV leaves raw, or a selection of the newest entries): the
+    same out and lse as the reference, and a slot outside the pool is still refused."""
+    pool, table, gen = _coded_rows(2, 40, 6, torch.float32, 5, stored=True)
+    pages = table.view(pool).pages
+    keys, values, blocks = pages.arrays()
+    plain = (pages.tables[0] >> TIER_SHIFT == 0) & (pages.tables[0] != 0)
+    columns = plain[0].nonzero().flatten()
+    index = torch.cat([columns, torch.tensor([-1])]).expand(2, H, -1).contiguous()
+    selected = select_pages(pages, index)
+    assert all(int((t >> TIER_SHIFT).max()) == 0 for t in selected.tables)
+    query = torch.randn(2, H, D, generator=gen)
+    out, lse = paged_decode(query, keys, values, selected.tables, selected.lengths, None, 0.3, blocks)
+    want, want_lse = paged_decode_torch(query, keys, values, selected.tables, selected.lengths, None, 0.3, blocks)
+    assert torch.allclose(out, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
+    selected.tables[0][0, 0] = keys.shape[0] + 3
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_decode(query, keys, values, selected.tables, selected.lengths, None, 0.3, blocks)
+
+
 @pytest.mark.parametrize("named", ["by a coded token", "by the table"])
 def test_the_in_place_read_refuses_a_reference_past_the_rope_table(named):
     """A reference whose position lies past the RoPE table is refused before any work reads through it, whether a coded

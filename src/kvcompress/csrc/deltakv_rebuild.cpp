@@ -615,6 +615,23 @@ void unpack_codes(const std::vector<int64_t>& named, const uint8_t* codes, int64
   });
 }
 
+// Whether the tables name no entry of a tier (every id a plain slot or a hole), read in one pass with no branch per
+// entry: the layers DeltaKV leaves raw skip the first pass's lookups. Shapes and slots are checked by the read they go to.
+bool names_plain_slots_only(const std::vector<at::Tensor>& tables, const int64_t* length, int64_t heads, int64_t tier_shift) {
+  uint32_t tiers = 0;
+  for (size_t r = 0; r < tables.size(); ++r) {
+    const at::Tensor& t = tables[r];
+    if (t.dim() != 2 || t.scalar_type() != at::kInt || t.size(0) != heads) return false;  // the first pass refuses it
+    const int32_t* slots = t.data_ptr<int32_t>();
+    for (int64_t h = 0; h < heads; ++h) {
+      const int32_t* row = slots + h * t.stride(0);
+      const int64_t n = std::min(length[r * heads + h], t.size(1)), stride = t.stride(1);
+      for (int64_t j = 0; j < n; ++j) tiers |= static_cast<uint32_t>(row[j * stride]) >> tier_shift;
+    }
+  }
+  return tiers == 0;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling, const at::Tensor& keys, const at::Tensor& values,
@@ -659,6 +676,9 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
                 "scores: float32 [R, Hq, L], contiguous, L at least every head's length");
   const Tiers tiers{tier_shift, (int64_t{1} << tier_shift) - 1, code_tier, reference_tier, keys.size(0), ref_keys.size(0), total, heads};
 
+  if (names_plain_slots_only(tables, length, heads, tier_shift))  // a layer DeltaKV leaves raw: the plain read, with its vectorized paths
+    return paged_decode(queries, scaling, keys, values, tables, lengths, weights, tier_shift, {}, {}, scores);
+
   // phase 1: the coded tokens named, each once, and the references they and the tables name, every id checked before any work
   thread_local SparseSet named_tokens, named_references;  // the calling thread's: the parallel regions below read them by reference
   SparseSet& tokens = named_tokens;
@@ -673,7 +693,6 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
   const int64_t top_k = refs.size(1), table_rows = rotary.size(0);
   TORCH_CHECK(top_k >= 1 && top_k <= MAX_TOP_K, "deltakv_decode: a coded token averages 1 to ", MAX_TOP_K, " references, not ", top_k);
   int64_t layer = -1;
-  bool plain_only = true;
   for (int64_t r = 0; r < rows; ++r) {
     const at::Tensor& t = tables[r];
     TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kInt && t.size(0) == heads, "a slot table: int32 [H, L]");
@@ -686,7 +705,6 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
         const Entry kind = entry_of(id, tiers, row);
         TORCH_CHECK(id == 0 || kind != Entry::hole, "deltakv_decode: a slot table names a slot outside the pool, or an entry of a tier "
                     "it was not given (", id, ")");
-        plain_only &= kind != Entry::reference && kind != Entry::coded;
         if (kind == Entry::reference) references.insert(row / heads);
         if (kind != Entry::coded) continue;
         const int64_t b = row / heads;
@@ -699,8 +717,6 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
         for (int64_t k = 0; k < top_k; ++k) token_refs.push_back(static_cast<int32_t>(references.insert(ref_ids[b * top_k + k])));
       }
   }
-  if (plain_only)  // a layer DeltaKV leaves raw: the plain read, with its vectorized paths
-    return paged_decode(queries, scaling, keys, values, tables, lengths, weights, tier_shift, {}, {}, scores);
   for (const int64_t ref : references.ids) check_reference("deltakv_decode", ref, ref_position_ids, table_rows);  // each once
   const int64_t n = static_cast<int64_t>(tokens.ids.size()), named_refs = static_cast<int64_t>(references.ids.size());
   auto unrotated = at::empty({named_refs, heads * d}, decoder.options());
