@@ -201,7 +201,8 @@ def test_omnikv_layers_reading_one_choice_each_read_their_own_columns_of_it(spec
        tokens=st.integers(1, 50), sinks=st.integers(0, 4), recent=st.integers(0, 6), seed=st.integers(0, 2**16))
 def test_the_compiled_choice_and_columns_of_omnikv_equal_the_references(rows, heads, groups, width, tokens, sinks, recent, seed):
     """``csrc/omnikv_tokens.cpp`` against ``chosen_tokens_torch`` and ``token_columns_torch``: ragged heads (empty ones
-    too), padding, entries past the tokens chosen from, budgets of none to more than every token, strided positions."""
+    too), padding, entries past the tokens chosen from, budgets of none to more than every token, strided positions and
+    budgets."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, width + 1, (rows, heads), generator=gen)
     spread = max(tokens + 3, width)  # some positions past ``tokens``: the reference's spare column
@@ -210,7 +211,7 @@ def test_the_compiled_choice_and_columns_of_omnikv_equal_the_references(rows, he
     store[..., 1] = torch.where(torch.arange(width) < lengths[..., None], held, 2**31 - 1)
     positions = store[..., 1]  # strided, as a view's may be
     weights = torch.rand(rows, heads, groups, width, generator=gen)
-    budget = torch.randint(0, tokens + 3, (rows,), generator=gen)
+    budget = torch.randint(0, tokens + 3, (rows, 2), generator=gen)[:, 0]  # strided too
     kernel = cpu_kernels()
     wanted = chosen_tokens_torch(positions, lengths, budget, weights, sinks, recent, tokens)
     assert torch.equal(kernel.chosen_tokens(weights, positions, lengths, budget, sinks, recent, tokens), wanted)

@@ -57,7 +57,8 @@ at::Tensor chosen_tokens(const at::Tensor& weights, const at::Tensor& positions,
   TORCH_CHECK(tokens >= 0, "chosen_tokens: tokens ≥ 0");
   const int64_t groups = weights.size(2);
   const float* weight = weights.data_ptr<float>();
-  const int64_t* budgets = budget.contiguous().data_ptr<int64_t>();
+  const at::Tensor budget_held = budget.contiguous();  // held: a temporary's data would be freed at the end of the line
+  const int64_t* budgets = budget_held.data_ptr<int64_t>();
   auto wanted = at::zeros({rows, tokens}, positions.options().dtype(at::kBool));
   bool* take = wanted.data_ptr<bool>();
   constexpr float INF = std::numeric_limits<float>::infinity();

@@ -40,7 +40,7 @@ ROWS_HINT = 8  # rows oneDNN lays the weight out for (any number of rows may use
 # 12: 20.0 against 19.0; the engine's float32 SnapKV step at 8 rows 22.8-23.4 ms against 23.5-25.9, at 12 rows 31.6
 # against 26.3)
 ROWS_STREAMED = {torch.bfloat16: 16, torch.float32: 12}
-ROWS_STREAMED_AVX512 = {torch.bfloat16: 16, torch.float32: 8}
+ROWS_STREAMED_AVX512 = {**ROWS_STREAMED, torch.float32: 8}
 
 
 def rows_streamed(dtype: torch.dtype) -> int:
