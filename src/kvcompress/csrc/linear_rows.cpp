@@ -10,8 +10,8 @@
 //   * bfloat16 where the CPU has AVX512-BF16: VDPBF16PS, 32 channels a step (every product exact), weight rows two at a
 //     time against eight rows of x (sixteen sums in registers), K a multiple of 32;
 //   * float32, and bfloat16 elsewhere, where the CPU has AVX2 and FMA: eight channels a step (a bfloat16 number widened
-//     to float32 in registers: its bits shifted up), weight rows two at a time against four rows of x (eight sums in
-//     registers), K a multiple of 8.
+//     to float32 in registers: its bits shifted up), weight rows two at a time against eight rows of x where the CPU has
+//     32 vector registers, else four (sixteen or eight sums in registers), K a multiple of 8.
 // The threads each stream a contiguous run of weight rows, prefetched 8 KiB ahead (on the machines measured, the
 // hardware's own prefetch leaves this at half the read bandwidth).
 #include "kernels.h"
@@ -111,8 +111,16 @@ constexpr bool HAS_BF16_DOTS = false;
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool HAS_FMA_SUMS = true;
-constexpr int64_t FMA_ROWS = 4;   // rows of x per pass,
-constexpr int64_t FMA_GROUP = 2;  // against two weight rows: eight sums in registers
+// rows of x per pass, against two weight rows: sixteen sums in registers where the CPU has 32 vector registers (AVX-512VL),
+// else eight. Eight sums are too few chains for two multiply-add units of four cycles' latency: on a Zen 5 a step's products
+// over 8 rows took 14.4 ms as two passes of four rows, 12.2-12.4 as one pass of eight (and 12.1-12.7 over 1-4 rows, the
+// pass padded: the read, not the sums, is what a row costs); AVX-512's 16-lane multiply-adds instead: 14.1.
+#if defined(__AVX512VL__)
+constexpr int64_t FMA_ROWS = 8;
+#else
+constexpr int64_t FMA_ROWS = 4;
+#endif
+constexpr int64_t FMA_GROUP = 2;
 
 inline float sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
