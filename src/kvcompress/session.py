@@ -105,6 +105,7 @@ class Session:
         self._step_slots: torch.Tensor | None = None  # a decoding step's slots [num_layers, H] begun at its first layer
         self._step_layer = 0  # the next layer of that step to write its entries
         self.replay_pending = False  # the prompt is prefilled and waits for its replay (KVzip) to be compressed
+        self._prompt_edited = False  # the method changed the prompt's entries as it compressed them
         self.reads = [0, 0]  # entries the decoding steps read, and what a full cache would have read, over every layer
         self._counted: tuple[torch.Tensor | None, int] = (None, 0)  # the last selection counted, and its count
         storage = method.storage_for(pool.dtype, num_layers)
@@ -281,11 +282,15 @@ class Session:
             edit = self.method.compress(self.view(i), self.context(i), layer_sizes)
             if edit is not None:
                 self.apply(i, edit)
+                self._prompt_edited = True
             self.layers[i].observations = {}
         for i in indices if self.code_tier else ():
             self.table.code(self.pool, self.code_tier, self.code_recent, self.rows(i), layer=i)
-        if indices[-1] == self.num_layers - 1:
-            self.table.shrink()  # the prompt is compressed: give back the table's room for it
+        if indices[-1] == self.num_layers - 1:  # the prompt is compressed
+            if self._prompt_edited:  # what the method kept, spread over the pool, into ascending runs of slots
+                self.table.relocate(self.pool)
+                self._prompt_edited = False
+            self.table.shrink()  # give back the table's room for the prompt
         self.timings["compress_s"] += time.perf_counter() - start
 
     def apply(self, layer_idx: int | None, edit: Edit) -> None:

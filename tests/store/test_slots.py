@@ -64,6 +64,29 @@ def _check(pool: SlotPool, tables: dict[int, SlotTable], models: dict[int, Model
         assert table.nbytes(pool) == expected
 
 
+def _check_relocated(pool: SlotPool, table: SlotTable, before: torch.Tensor, rows, free: list[int]) -> None:
+    """After ``relocate`` over ``rows`` (``free``: the free slots before it, ascending): the entries it may move (plain,
+    held by this table alone) moved to the smallest free slots, ascending head after head, each head's in its order;
+    every other entry, and every other row, where it was."""
+    after = table.ids
+    assert torch.equal(after[..., 1], before[..., 1])  # positions, and so the entries' order, unchanged
+    moved_from, moved_to = [], []
+    for row in range(table.num_rows):
+        for h in range(table.num_heads):
+            n = int(table.lengths[row, h])
+            old, new = before[row, h, :n, 0].tolist(), after[row, h, :n, 0].tolist()
+            for o, m in zip(old, new):
+                if o >> TIER_SHIFT or int(pool.refs[m]) > 1 or row not in rows:
+                    assert o == m  # coded, shared or outside the rows: not moved
+                else:
+                    moved_from.append(o)
+                    moved_to.append(m)
+    if not moved_from or len(moved_from) > len(free):  # nothing to move, or no room to move it without growing
+        assert moved_from == moved_to
+        return
+    assert moved_to == free[: len(moved_to)]  # the smallest free slots, ascending, head after head
+
+
 def _check_page_bounds(table: SlotTable, view) -> None:
     """Each full page's bounds are the channel-wise min and max of the keys it holds now (after any appends,
     evictions and rewrites); a head's open page, not yet full, is read whole and needs none."""
@@ -98,7 +121,7 @@ def test_the_compiled_compaction_equals_the_reference(rows, heads, length, spare
     assert torch.equal(counts, (keep & (torch.arange(length) < lengths[..., None])).sum(-1))
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", "rewrite", "code"]), st.integers(0, 10**6)),
+OPS = st.lists(st.tuples(st.sampled_from(["append", "evict", "fork", "release", "rewrite", "code", "relocate"]), st.integers(0, 10**6)),
                min_size=1, max_size=25)
 
 
@@ -177,11 +200,99 @@ def test_pool_invariants_under_random_appends_evictions_forks_and_releases(ops, 
                         decoded = float(view.keys[row, h, j, 0])
                         assert abs(decoded - k) <= spread / 30 * 1.01 + abs(k) * 2**-10  # half a 4-bit step
                         entries[j] = (position, decoded, v)
+        elif op == "relocate" and key is not None:  # the same entries, in other slots
+            before = tables[key].ids.clone()
+            free = sorted(pool._free[: pool._top].tolist())
+            tables[key].relocate(pool, rows)
+            _check_relocated(pool, tables[key], before, picked, free)
         _check(pool, tables, models)
     for table in tables.values():
         table.release(pool)
     assert pool.num_used == 0 and int(pool.refs.sum()) == 0  # everything comes back
     assert pool.tiers[0].num_used == 0 and int(pool.tiers[0].refs.sum()) == 0
+
+
+def test_relocation_moves_what_an_eviction_kept_to_the_smallest_free_slots_in_order():
+    pool = SlotPool(DIM, initial=64)
+    other, table = SlotTable(1, 2), SlotTable(1, 2)
+    values = torch.arange(2 * 12, dtype=torch.float32).view(1, 2, 12, 1).expand(1, 2, 12, DIM)
+    for t in (other, table):  # interleaved with another table's entries, as requests' prefills are
+        t.append(pool, values[:, :, :6], -values[:, :, :6], torch.arange(6).expand(1, 6))
+    table.append(pool, values[:, :, 6:], -values[:, :, 6:], torch.arange(6, 12).expand(1, 6))
+    keep = torch.zeros(1, 2, 12, dtype=torch.bool)
+    keep[..., ::3] = True  # every third entry kept: spread over the pool
+    table.apply(pool, Edit(keep=keep))
+    before, used = table.view(pool), pool.num_used
+    free = sorted(pool._free[: pool._top].tolist())
+    table.relocate(pool)
+    after = table.view(pool)
+    assert torch.equal(after.keys, before.keys) and torch.equal(after.values, before.values)
+    assert torch.equal(after.positions, before.positions)
+    assert table.slots[0, :, :4].flatten().tolist() == free[:8]  # the smallest free slots, ascending, head after head
+    assert pool.num_used == used  # the old slots free again
+
+
+@settings(max_examples=60, deadline=None)
+@given(heads=st.integers(1, 3), lengths=st.lists(st.integers(1, 9), min_size=2, max_size=4), keep_share=st.floats(0.1, 0.9),
+       fork=st.booleans(), rows=st.sampled_from([None, slice(0, 1), slice(1, 2)]), seed=st.integers(0, 2**16))
+def test_relocation_keeps_every_entry_and_the_slot_accounting(heads, lengths, keep_share, fork, rows, seed):
+    """Two layers' rows, their appends interleaved with another table's, then an eviction, perhaps a fork: a relocation
+    moves the plain entries held once to the smallest free slots in order, and nothing else changes."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = SlotPool(DIM, initial=8)
+    pool.tier(KiviCodec(4, 2))  # (none of its blocks held: ``_check`` counts them)
+    table, other = SlotTable(2, heads), SlotTable(2, heads)
+    models = {0: Model(2, heads), 1: Model(2, heads)}
+    position = 0
+    for step, q in enumerate(lengths):
+        for key, t in ((0, table), (1, other)):
+            values = torch.randn(2, heads, q, generator=gen)
+            keys = values[..., None] * torch.linspace(1, -1, DIM)
+            t.append(pool, keys, -keys, torch.arange(position, position + q).expand(2, q))
+            for row in range(2):
+                for h in range(heads):
+                    models[key].heads[row][h] += [(position + j, float(values[row, h, j]), -float(values[row, h, j])) for j in range(q)]
+        position += q
+    length, _ = table.span()
+    keep = torch.rand(2, heads, length, generator=gen) < keep_share
+    table.apply(pool, Edit(keep=keep))
+    models[0].heads = [[[e for j, e in enumerate(entries) if bool(keep[row, h, j])] for h, entries in enumerate(models[0].heads[row])]
+                       for row in range(2)]
+    tables = {0: table, 1: other}
+    if fork:
+        tables[2], models[2] = table.share(pool), models[0]
+    before, free = table.ids.clone(), sorted(pool._free[: pool._top].tolist())
+    table.relocate(pool, rows)
+    _check_relocated(pool, table, before, range(2)[rows] if rows is not None else range(2), free)
+    _check(pool, tables, models)
+    held = int(table.lengths[rows if rows is not None else slice(None)].sum())
+    assert (not torch.equal(table.ids, before)) == (not fork and 0 < held <= len(free))  # a fork holds every entry twice
+
+
+def test_relocation_leaves_shared_and_coded_entries_and_a_full_pool_alone():
+    pool = SlotPool(DIM, capacity=12, initial=12)
+    table = SlotTable(1, 1)
+    values = torch.arange(8, dtype=torch.float32).view(1, 1, 8, 1).expand(1, 1, 8, DIM)
+    table.append(pool, values, -values, torch.arange(8).expand(1, 8))
+    table.apply(pool, Edit(keep=torch.arange(8).view(1, 1, 8) % 2 == 0))
+    twin = table.share(pool)
+    before = table.slots[0, 0, :4].clone()
+    table.relocate(pool)  # every entry shared with the fork: none moves
+    assert torch.equal(table.slots[0, 0, :4], before)
+    twin.release(pool)
+    filler = SlotTable(1, 1)
+    filler.append(pool, values[:, :, :6], -values[:, :, :6], torch.arange(6).expand(1, 6))  # 10 of 12 slots held
+    table.relocate(pool)  # 4 entries, 2 free slots: no room to move them within the budget, nothing changes
+    assert torch.equal(table.slots[0, 0, :4], before) and pool.num_used == 10
+    coded = SlotPool(DIM, initial=16)
+    tier = coded.tier(KiviCodec(4, 2))
+    table = SlotTable(1, 1)
+    table.append(coded, values, -values, torch.arange(8).expand(1, 8))
+    table.code(coded, tier, 2)
+    before = table.slots[0, 0, :8].clone()
+    table.relocate(coded)
+    moved = table.slots[0, 0, :8]
+    assert torch.equal(moved[:6], before[:6]) and bool((moved[:6] >> TIER_SHIFT).all())  # the coded entries stay in their tier
 
 
 def test_a_rewrite_never_shows_in_a_fork():
