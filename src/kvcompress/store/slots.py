@@ -743,7 +743,6 @@ class SlotTable:
             self.page_bounds = bounds
 
     @_plain_tensors
-    @_plain_tensors
     def relocate(self, pool: SlotPool, rows: Rows = None) -> None:
         """Move the plain entries of ``rows`` that this table alone holds into ascending slots, head after head, each
         head's in its order (``SlotPool.relocate``; coded entries and entries a fork shares stay where they are)."""
