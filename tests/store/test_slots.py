@@ -222,9 +222,10 @@ def test_relocation_moves_what_an_eviction_kept_to_the_smallest_free_slots_in_or
     keep = torch.zeros(1, 2, 12, dtype=torch.bool)
     keep[..., ::3] = True  # every third entry kept: spread over the pool
     table.apply(pool, Edit(keep=keep))
-    before, used = table.view(pool), pool.num_used
+    before, used, peak = table.view(pool), pool.num_used, pool.peak_bytes
     free = sorted(pool._free[: pool._top].tolist())
     table.relocate(pool)
+    assert pool.peak_bytes == peak  # the move borrows free slots: the most bytes held stays as it was
     after = table.view(pool)
     assert torch.equal(after.keys, before.keys) and torch.equal(after.values, before.values)
     assert torch.equal(after.positions, before.positions)
@@ -267,6 +268,18 @@ def test_relocation_keeps_every_entry_and_the_slot_accounting(heads, lengths, ke
     _check(pool, tables, models)
     held = int(table.lengths[rows if rows is not None else slice(None)].sum())
     assert (not torch.equal(table.ids, before)) == (not fork and 0 < held <= len(free))  # a fork holds every entry twice
+
+
+def test_relocation_counts_no_byte_more_than_is_held():
+    pool = SlotPool(DIM, initial=32)
+    table = SlotTable(1, 1)
+    values = torch.arange(8, dtype=torch.float32).view(1, 1, 8, 1).expand(1, 1, 8, DIM)
+    table.append(pool, values, -values, torch.arange(8).expand(1, 8))
+    table.apply(pool, Edit(keep=torch.arange(8).view(1, 1, 8) != 3))  # 7 kept: moved, 14 slots at once
+    peak = pool.peak_bytes
+    assert peak == 8 * pool.bytes_per_slot
+    table.relocate(pool)
+    assert pool.peak_bytes == peak and pool.num_used == 7
 
 
 def test_relocation_leaves_shared_and_coded_entries_and_a_full_pool_alone():

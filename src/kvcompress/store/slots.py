@@ -229,10 +229,12 @@ class SlotPool:
         if n == 0 or n > self._top or (budget.limit is not None and n * self.bytes_per_slot > budget._room_bytes):
             return slots
         self._free[: self._top] = self._free[: self._top].sort(descending=True).values  # the smallest on top
+        peak = budget.peak_bytes
         moved = self.allocate(n)
         for array in self.arrays.values():
             array[moved] = array[slots.to(array.device)]
         self.release(slots)
+        budget.peak_bytes = peak  # the move only borrows slots that were free: it needs no byte more than is held
         return moved
 
     @_plain_tensors
