@@ -36,9 +36,9 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROWS_HINT = 8  # rows oneDNN lays the weight out for (any number of rows may use it)
 # up to this many rows a product runs ``linear_rows`` (beyond, oneDNN's is as fast or faster): AVX512-BF16's bfloat16
 # dots; float32 multiply-adds, on an AVX2-only CPU (a Zen 3: 20-30 % faster than oneDNN at 4-12 rows, level at 16) and
-# on an AVX-512 one (a Zen 5, eight rows a pass: the engine's float32 SnapKV step at 8 rows 20.4-21.3 ms against
-# oneDNN's 23.5-25.9; beyond 8 rows a second pass makes it slower: at 12 rows 35.1-35.5 ms against 28.0-28.5, at 16
-# rows 37.9-40.4 against 32.7-33.8)
+# on an AVX-512 one (a Zen 5, eight rows a pass: the engine's float32 SnapKV step at 8 rows 20.4-21.3 ms, against
+# 23.5-25.9 with oneDNN's products in an earlier run; beyond 8 rows a second pass makes it slower: at 12 rows 35.1-35.5
+# ms against oneDNN's 28.0-28.5, at 16 rows 37.9-40.4 against 32.7-33.8)
 ROWS_STREAMED = {torch.bfloat16: 16, torch.float32: 12}
 ROWS_STREAMED_AVX512 = {**ROWS_STREAMED, torch.float32: 8}
 
