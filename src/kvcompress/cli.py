@@ -192,8 +192,8 @@ def cmd_eval(args) -> int:
 
         try:
             _, predictions, wall = run_eval(model, tokenizer, settings, progress=not args.quiet, on_prediction=record, done=done)
-        except KeyboardInterrupt:
-            handle.flush()
+        except KeyboardInterrupt:  # it may land between a prediction's append and its line: write the file from the list
+            _write_predictions(out, finished)
             _eval_files(args, out, finished, vars(settings), total)
             print(f"\nkvcompress: interrupted after {len(finished)} of {total} runs; {out}/ holds them, marked partial: "
                   "finish with the same command and --resume", file=sys.stderr)

@@ -116,6 +116,31 @@ def test_interrupted_eval_is_marked_partial_and_resume_completes_it_identically(
     assert cli_main(["report", str(out), "--out", str(tmp_path / "merged")]) == 0
 
 
+def test_ctrl_c_between_a_prediction_and_its_line_leaves_the_folder_consistent(setup, tmp_path, capsys, monkeypatch):
+    import kvcompress.cli as cli
+
+    line_of = cli._prediction_line
+
+    def cut_at_the_third_line(prediction):  # the signal lands after the run is counted, before its line is written
+        cut_at_the_third_line.calls += 1
+        if cut_at_the_third_line.calls == 3:
+            raise KeyboardInterrupt
+        return line_of(prediction)
+
+    cut_at_the_third_line.calls = 0
+    monkeypatch.setattr(cli, "_prediction_line", cut_at_the_third_line)
+    out = tmp_path / "cut"
+    assert cli_main(_argv(setup, out)) == 130
+    assert "interrupted after 3 of 120 runs" in capsys.readouterr().err
+    payload = json.loads((out / "results.json").read_text())
+    lines = (out / "predictions.jsonl").read_text().splitlines()
+    assert payload["runs_done"] == len(lines) == sum(r["n"] for r in payload["rows"]) == 3
+    monkeypatch.setattr(cli, "_prediction_line", line_of)
+    assert cli_main(_argv(setup, out, "--resume")) == 0
+    assert cli_main(_argv(setup, tmp_path / "whole")) == 0
+    assert _results(out) == _results(tmp_path / "whole")
+
+
 def test_ctrl_c_in_a_subprocess_ends_in_one_line_and_a_consistent_folder(setup, tmp_path):
     model, tasks = setup
     rows = Path(tasks).read_text().splitlines()
