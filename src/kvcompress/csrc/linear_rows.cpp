@@ -6,12 +6,19 @@
 //     key and value products read from their own weights, with no stacked copy).
 //
 // Each output is Σ_k x[m, k] · weight[n, k] in float32 plus the bias, rounded to the dtype once; oneDNN's products (the
-// engine's path for more rows) sum in another order, so the two may differ in the last bit. Two kernels:
+// engine's path for more rows) sum in another order, so the two may differ in the last bit. Three kernels:
 //   * bfloat16 where the CPU has AVX512-BF16: VDPBF16PS, 32 channels a step (every product exact), weight rows two at a
 //     time against eight rows of x (sixteen sums in registers), K a multiple of 32;
-//   * float32, and bfloat16 elsewhere, where the CPU has AVX2 and FMA: eight channels a step (a bfloat16 number widened
-//     to float32 in registers: its bits shifted up), weight rows two at a time against eight rows of x where the CPU has
-//     32 vector registers, else four (sixteen or eight sums in registers), K a multiple of 8.
+//   * float32 where the CPU has AVX-512 and K is a multiple of 16 up to WIDE_MAX_K: sixteen channels a step, one weight
+//     row against eight rows of x (eight sums), x interleaved by steps first;
+//   * otherwise (bfloat16 without AVX512-BF16, float32 on other K or where the CPU has AVX2 and FMA only): eight channels
+//     a step (a bfloat16 number widened to float32 in registers: its bits shifted up), weight rows two at a time against
+//     eight rows of x where the CPU has 32 vector registers, else four (sixteen or eight sums), K a multiple of 8.
+// Where a row of x meets several weight rows, it is loaded into a register once a step: left to itself the compiler
+// folds the load into each multiply-add, and the loads, not the multiply-adds, then bound the pass (on a Zen 5, 18
+// against 30 GB/s a core with the weights in L1). With the weights in L2 the wide pass runs at 71-74 GB/s on two Zen 5
+// cores and the two-row pass of eight channels at 50; from memory both run at what the memory gives (40-48 GB/s on a
+// busy host).
 // The threads each stream a contiguous run of weight rows, prefetched 8 KiB ahead (on the machines measured, the
 // hardware's own prefetch leaves this at half the read bandwidth).
 #include "kernels.h"
@@ -114,7 +121,8 @@ constexpr bool HAS_FMA_SUMS = true;
 // rows of x per pass, against two weight rows: sixteen sums in registers where the CPU has 32 vector registers (AVX-512VL),
 // else eight. Eight sums are too few chains for two multiply-add units of four cycles' latency: on a Zen 5 a step's products
 // over 8 rows took 14.4 ms as two passes of four rows, 12.2-12.4 as one pass of eight (and 12.1-12.7 over 1-4 rows, the
-// pass padded: the read, not the sums, is what a row costs); AVX-512's 16-lane multiply-adds instead: 14.1.
+// pass padded: the read, not the sums, is what a row costs); AVX-512's 16-lane multiply-adds instead took 14.1 while the
+// compiler loaded each row of x once a weight row (the `asm` below stops it), and are the wide pass where K allows.
 #if defined(__AVX512VL__)
 constexpr int64_t FMA_ROWS = 8;
 #else
@@ -145,7 +153,8 @@ inline void fma_pass(const float* x, int64_t rows, int64_t k_channels, const wei
       asm("" : "+x"(weights[j]));  // loaded once into a register (the compiler would fold a load into every multiply-add)
     }
     for (int64_t m = 0; m < FMA_ROWS; ++m) {
-      const __m256 xs = _mm256_loadu_ps(x + m * k_channels + k);
+      __m256 xs = _mm256_loadu_ps(x + m * k_channels + k);
+      asm("" : "+v"(xs));  // one load for every weight row
       for (int64_t j = 0; j < PAIR; ++j) acc[j][m] = _mm256_fmadd_ps(xs, weights[j], acc[j][m]);
     }
   }
@@ -157,6 +166,57 @@ inline void fma_pass(const float* x, int64_t rows, int64_t k_channels, const wei
     for (int64_t m = 0; m < rows; ++m) out[m * n_out + n0 + j] = static_cast<weight_t>(sums[j][m] + b);
   }
 }
+
+#if defined(__AVX512F__)
+// The widest float32 pass, where the CPU has AVX-512 and x's FMA_ROWS rows fit in L1 beside the streamed weights (K at
+// most WIDE_MAX_K, a multiple of 16): one weight row against them, sixteen channels a step (eight sums). More weight rows
+// a pass read more streams of weights at once, which the memory answered more slowly (a Zen 5, cold weights [N, 576]:
+// 36-46 GB/s for one row against 33-40 for three); longer rows of x leave L1 once a weight row (one row of [576, 1536]:
+// 16 GB/s), and the two-row pass of eight channels runs there instead (39).
+constexpr int64_t WIDE_MAX_K = 768;
+
+// out[m, n] = x[m] · row[n] + bias[n] for m < rows, all float32, x's FMA_ROWS rows interleaved by sixteen channels
+// (`packed`: step s holds x[m, 16s .. 16s + 16) at (s · FMA_ROWS + m) · 16; zero rows past `rows`), read in order from one
+// pointer.
+inline void wide_pass(const float* packed, int64_t rows, int64_t k_channels, const float* row, int64_t n, const float* bias,
+                      float* out, int64_t n_out) {
+  __m512 acc[FMA_ROWS];
+  for (int64_t m = 0; m < FMA_ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_channels; k += 16) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row + k) + AHEAD);
+    const __m512 weights = _mm512_loadu_ps(row + k);
+    const float* step = packed + k * FMA_ROWS;
+    for (int64_t m = 0; m < FMA_ROWS; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(step + m * 16), weights, acc[m]);
+  }
+  float sums[FMA_ROWS];  // reduced at fixed indices first, as fma_pass does
+  for (int64_t m = 0; m < FMA_ROWS; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+  const float b = bias ? bias[n] : 0.f;
+  for (int64_t m = 0; m < rows; ++m) out[m * n_out + n] = sums[m] + b;
+}
+
+// x [rows, K] (any strides; K a multiple of 16, at most WIDE_MAX_K), the weights, bias and out float32.
+void linear_rows_wide(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), k_channels = x.size(1), n_out = out.size(1), steps = k_channels / 16;
+  const int64_t passes = (rows + FMA_ROWS - 1) / FMA_ROWS, pass_floats = k_channels * FMA_ROWS;
+  at::Tensor packed = at::empty({passes * pass_floats}, x.options());  // [passes, steps, FMA_ROWS, 16]
+  float* xs = packed.data_ptr<float>();
+  const auto rows_of_x = x.accessor<float, 2>();
+  for (int64_t pass = 0; pass < passes; ++pass)
+    for (int64_t step = 0; step < steps; ++step)
+      for (int64_t m = 0; m < FMA_ROWS; ++m) {
+        float* to = xs + pass * pass_floats + (step * FMA_ROWS + m) * 16;
+        const int64_t row = pass * FMA_ROWS + m;
+        for (int64_t c = 0; c < 16; ++c) to[c] = row < rows ? rows_of_x[row][step * 16 + c] : 0.f;
+      }
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* to_out = out.data_ptr<float>();
+  stream_groups<1>(pieces_of<1, float>(weights), k_channels, [&](const float* row, int64_t, int64_t column) {
+    for (int64_t pass = 0; pass < passes; ++pass)
+      wide_pass(xs + pass * pass_floats, std::min(FMA_ROWS, rows - pass * FMA_ROWS), k_channels, row, column, bias_data,
+                to_out + pass * FMA_ROWS * n_out, n_out);
+  });
+}
+#endif
 
 // x: float32 [rows (padded to whole passes), K]; the weights, bias and out in weight_t.
 template <typename weight_t>
@@ -221,6 +281,12 @@ at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& weigh
     }
     linear_rows_bf16(rows.data_ptr<at::BFloat16>(), x.size(0), rows.size(1), pieces_of<2, at::BFloat16>(weights), n_out,
                      bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>());
+    return out;
+  }
+#endif
+#if defined(__AVX512F__)
+  if (type == at::kFloat && x.size(1) % 16 == 0 && x.size(1) <= WIDE_MAX_K) {
+    linear_rows_wide(x, weights, bias, out);
     return out;
   }
 #endif
