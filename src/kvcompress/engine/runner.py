@@ -27,7 +27,7 @@ from ..hf.replay import run_replay
 from ..read import read
 from ..read.paged import compiled_arguments
 from ..session import Session
-from ..store.slots import SlotPool, SlotTable
+from ..store.slots import SlotPool, SlotTable, plain_tensors
 from ..store.view import DeltaKVBlocks
 from .decoder import Decoder
 from .request import Request
@@ -228,7 +228,8 @@ class ModelRunner:
             if piece.final:
                 keep.append(len(ids) - 1)
         sessions = [r.session for r in requests]
-        slots = torch.stack([s.begin_step(p) for s, p in zip(sessions, positions)], dim=1) if sessions else None  # [L, R, H]
+        with plain_tensors():  # one switch of mode for every request's begin_step
+            slots = torch.stack([s.begin_step(p) for s, p in zip(sessions, positions)], dim=1) if sessions else None  # [L, R, H]
         step = _Step(self, sessions, slots, pieces)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.decoder(as_tensor(ids), as_tensor(positions), step.attend, as_tensor(keep),

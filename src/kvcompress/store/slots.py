@@ -26,6 +26,7 @@ Nothing here knows a method or transformers: edits arrive as ``store.view.Edit``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -45,15 +46,27 @@ WEIGHT_BYTES = 4  # a log-weight or a channel value (float32) per entry
 LENGTH_BYTES = 8  # an entry count (int64) per head
 
 
+@contextlib.contextmanager
+def plain_tensors():
+    """Outside inference mode and autograd for the block, so that what the store creates there are ordinary tensors:
+    entries written under ``torch.inference_mode`` (a generate call) stay writable afterwards (a fork, a release from a
+    finalizer). Store operations enter it themselves (``_plain_tensors``); a caller making many of them at once (the
+    engine's step, a ``begin_step`` per request) enters it once around them, since each switch of mode costs about as
+    much as a small operation."""
+    if not torch.is_inference_mode_enabled() and not torch.is_grad_enabled():
+        yield  # already plain (a store operation calling another)
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def _plain_tensors(fn):
-    """Run a store operation outside inference mode and autograd, so that what the store creates are
-    ordinary tensors: entries written under ``torch.inference_mode`` (a generate call) stay writable
-    afterwards (a fork, a release from a finalizer)."""
+    """Run a store operation within ``plain_tensors``."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not torch.is_inference_mode_enabled() and not torch.is_grad_enabled():
-            return fn(*args, **kwargs)  # already plain (a store operation calling another)
+            return fn(*args, **kwargs)
         with torch.inference_mode(False), torch.no_grad():
             return fn(*args, **kwargs)
 
