@@ -171,7 +171,7 @@ inline void fma_pass(const float* x, int64_t rows, int64_t k_channels, const wei
 // The widest float32 pass, where the CPU has AVX-512 and x's FMA_ROWS rows fit in L1 beside the streamed weights (K at
 // most WIDE_MAX_K, a multiple of 16): one weight row against them, sixteen channels a step (eight sums). More weight rows
 // a pass read more streams of weights at once, which the memory answered more slowly (a Zen 5, cold weights [N, 576]:
-// 36-46 GB/s for one row against 33-40 for three); longer rows of x leave L1 once a weight row (one row of [576, 1536]:
+// 36-47 GB/s for one row against 32-42 for three); longer rows of x leave L1 once a weight row (one row of [576, 1536]:
 // 16 GB/s), and the two-row pass of eight channels runs there instead (39).
 constexpr int64_t WIDE_MAX_K = 768;
 
