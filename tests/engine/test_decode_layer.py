@@ -117,3 +117,50 @@ def test_the_compiled_layer_refuses_what_it_cannot_take():
         layer_class([norm, norm], [1e-6, 1e-6], [weight] * 3, [None] * 3, 4, 2, 16)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):
         layer_class([norm, norm], [1e-6, 1e-6], [weight] * 4, [None] * 4, 3, 2, 16)
+
+
+def small_layer(dtype=torch.float32, seed=0):
+    """A compiled layer of D = 64, four query heads and two KV heads of 16, an MLP of 64, random weights."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = lambda n, k: (torch.randn(n, k, generator=gen) / 8).to(dtype)  # noqa: E731
+    norm = torch.ones(64, dtype=dtype)
+    layer = cpu_kernels().DecodeLayer([norm, norm], [1e-6, 1e-6], [[weight(128, 64)], [weight(64, 64)], [weight(128, 64)], [weight(64, 64)]],
+                                      [None] * 4, 4, 2, 16)
+    return layer, gen
+
+
+def call_with_empty_reads(layer, gen, slots, keys, values, dtype=torch.float32):
+    """One decoding step of three rows through ``layer`` whose reads hold nothing but the new entries' writes."""
+    rows = slots.numel() // 2
+    hidden = torch.randn(rows, 64, generator=gen).to(dtype)
+    cos, sin = torch.ones(rows, 1, 16, dtype=dtype), torch.zeros(rows, 1, 16, dtype=dtype)
+    tables = [torch.zeros(2, 1, dtype=torch.int32) for _ in range(rows)]
+    return layer(hidden, None, cos, sin, 0.25, slots, keys, values, tables, torch.zeros(rows, 2, dtype=torch.long),
+                 [torch.empty(0)] * rows, 27, [], [])
+
+
+@pytest.mark.parametrize("dtype", RUNS or [torch.float32])
+def test_the_compiled_layer_writes_each_new_entry_into_its_slot(dtype):
+    """Rows in the pool's dtype are copied where they lie; other slots' dtypes take ``index_copy_``: both leave the same
+    pool (each of the 3 rows × 2 heads' keys and values in its own slot, every other slot untouched)."""
+    layer, _ = small_layer(dtype)
+    slots = torch.tensor([7, 3, 12, 5, 9, 1])
+    pools = []
+    for index in (slots, slots.int()):  # int64: copied in place; int32: through index_copy_
+        keys, values = torch.full((16, 16), -1.0, dtype=dtype), torch.full((16, 16), -2.0, dtype=dtype)
+        call_with_empty_reads(layer, torch.Generator().manual_seed(3), index, keys, values, dtype)
+        pools.append((keys, values))
+    (keys, values), (keys_ref, values_ref) = pools
+    assert torch.equal(keys, keys_ref) and torch.equal(values, values_ref)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert (keys[untouched] == -1).all() and (values[untouched] == -2).all()
+    assert (keys[slots] != -1).any(dim=1).all() and (values[slots] != -2).any(dim=1).all()
+
+
+def test_the_compiled_layer_refuses_a_slot_outside_the_pool_before_writing():
+    layer, gen = small_layer()
+    keys, values = torch.zeros(16, 16), torch.zeros(16, 16)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        call_with_empty_reads(layer, gen, torch.tensor([7, 3, 12, 5, 9, 16]), keys, values)
+    assert not keys.any() and not values.any()

@@ -13,6 +13,8 @@
 //     compiled function the Python path calls, in the same order, so the two agree bit for bit.
 #include "kernels.h"
 
+#include <cstring>
+
 namespace {
 
 struct Norm {
@@ -22,6 +24,25 @@ struct Norm {
     return add_rms_norm(x, delta, weight, eps);
   }
 };
+
+// SlotPool.write of one layer's new entries: row (r, h) of `rows` [R, H, d] (a view of the layer's product) into slot
+// slots[r · H + h] of the pool's array [S, d]. Rows already in the pool's dtype are copied one by one where they lie;
+// others take index_copy_ (which first makes them contiguous, in the pool's dtype, and the slots int64: ~15 µs a layer).
+void write_rows(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows) {
+  const int64_t d = rows.size(2), count = rows.size(0) * rows.size(1), size = pool.size(0);
+  if (rows.scalar_type() != pool.scalar_type() || !pool.is_contiguous() || rows.stride(2) != 1 || !slots.is_contiguous() ||
+      slots.scalar_type() != at::kLong) {
+    pool.index_copy_(0, slots.reshape(-1).to(at::kLong), rows.reshape({-1, d}).to(pool.scalar_type()));
+    return;
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < size, "DecodeLayer: a new entry's slot outside the pool");
+  const int64_t bytes = d * rows.element_size(), heads = rows.size(1);
+  const char* from = static_cast<const char*>(rows.data_ptr());
+  char* to = static_cast<char*>(pool.data_ptr());
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(to + slot[i] * bytes, from + ((i / heads) * rows.stride(0) + (i % heads) * rows.stride(1)) * rows.element_size(), bytes);
+}
 
 struct Product {
   std::vector<at::Tensor> weights;
@@ -64,9 +85,8 @@ class DecodeLayer {
       key = rope(norms_[3](projected.narrow(1, queries, heads), std::nullopt)[1], cos, sin);
     }
     const at::Tensor value = projected.narrow(1, queries + heads, heads);
-    const at::Tensor index = slots.reshape(-1).to(at::kLong);  // SlotPool.write: the entries in the pool's dtype, in place
-    keys.index_copy_(0, index, key.reshape({-1, d}).to(keys.scalar_type()));
-    values.index_copy_(0, index, value.reshape({-1, d}).to(values.scalar_type()));
+    write_rows(keys, slots, key);  // SlotPool.write: the entries in the pool's dtype, in place
+    write_rows(values, slots, value);
     const at::Tensor out = paged_decode(query, scaling, keys, values, tables, lengths, log_weights, tier_shift, kivi_spec, kivi_arrays,
                                         at::Tensor())[0];
     const auto [summed, normed] = unpack2(norms_[1](stream, products_[1](out.reshape({rows, -1}))));

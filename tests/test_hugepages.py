@@ -1,0 +1,84 @@
+"""CPU tensors on 2 MiB pages (``hugepages.py``): zeros like ``torch.zeros``, advised for huge pages where the tensor takes
+one; parameters moved there with their values and ties; the slot pool's large arrays there."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from kvcompress import hugepages
+from kvcompress.store.slots import SlotPool
+
+ADVISES = hugepages.advises()
+
+
+def advised(tensor: torch.Tensor) -> bool:
+    """Whether the mapping holding the tensor's first byte is advised for huge pages (``hg`` in /proc/self/smaps)."""
+    address, inside = tensor.data_ptr(), False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    return False
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(1, 700), min_size=1, max_size=3), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int32]))
+def test_zeros_are_torch_zeros_of_the_shape_and_dtype(shape, dtype):
+    tensor = hugepages.zeros(*shape, dtype=dtype)
+    assert tensor.shape == tuple(shape) and tensor.dtype == dtype and tensor.is_contiguous() and not tensor.any()
+    tensor.fill_(3)  # writable, all of it
+    assert (tensor == 3).all()
+    if tensor.numel() * tensor.element_size() >= hugepages.HUGE_PAGE and ADVISES:
+        assert tensor.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+@pytest.mark.skipif(not ADVISES, reason="huge pages are advised on Linux only")
+def test_a_large_tensor_is_advised_for_huge_pages_and_a_small_one_is_pytorchs():
+    large, small = hugepages.zeros(3 << 20, dtype=torch.float32), hugepages.zeros(1000, dtype=torch.float32)
+    assert advised(large) and not advised(small)
+
+
+def test_on_huge_pages_copies_the_values_and_leaves_small_or_aligned_tensors_alone():
+    tensor = torch.randn(1024, 1024)
+    moved = hugepages.on_huge_pages(tensor)
+    assert torch.equal(moved, tensor) and moved.data_ptr() != tensor.data_ptr()
+    if ADVISES:
+        assert hugepages.on_huge_pages(moved) is moved  # already there: not copied again
+    small = torch.randn(10)
+    assert hugepages.on_huge_pages(small) is small
+
+
+def test_moving_parameters_keeps_their_values_and_ties():
+    model = nn.Sequential(nn.Embedding(2048, 512), nn.Linear(512, 2048, bias=True), nn.LayerNorm(2048))
+    model[1].weight = model[0].weight  # tied, as a causal LM's embedding and head: [2048, 512], 4 MiB
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parameters = list(model.parameters())
+    hugepages.move_parameters(model)
+    assert list(model.parameters()) == parameters  # the same Parameter objects
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name])
+    assert model[1].weight is model[0].weight
+    if ADVISES:
+        assert model[0].weight.data_ptr() % hugepages.HUGE_PAGE == 0
+        assert advised(model[0].weight) and not advised(model[2].weight)
+
+
+def test_the_slot_pools_large_arrays_lie_on_huge_pages_and_grow_there():
+    pool = SlotPool(64, capacity=1 << 16, initial=1 << 13)  # keys and values of 8193 slots: 2 MiB each
+    for array in pool.arrays.values():
+        assert not array.any()
+        if ADVISES:
+            assert array.data_ptr() % hugepages.HUGE_PAGE == 0 and advised(array)
+    slots = pool.allocate(10_000)  # past its first size: the arrays grow, the held entries kept
+    keys, values = torch.randn(10_000, 64), torch.randn(10_000, 64)
+    pool.write(slots, keys, values)
+    got_keys, got_values = pool.gather(slots)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    if ADVISES:
+        assert all(advised(array) for array in pool.arrays.values())
