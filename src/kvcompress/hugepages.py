@@ -8,7 +8,7 @@ gives them to no one else). PyTorch's own allocator advises them only where ``TH
 the process started, so the arrays here are mapped and advised by ``zeros`` itself.
 
 Measured on a 2-core AMD EPYC (Zen 5), the engine's float32 SnapKV step over 8 rows (``benchmarks/vs_vllm.py``'s run):
-19.4–20.2 ms with both on 4 KiB pages, 16.9 with both on 2 MiB ones (docs/results.md).
+19.2–22.2 ms with both on 4 KiB pages, 16.7–18.2 with both on 2 MiB ones (docs/results.md).
 
 Where the platform has no ``madvise`` (not Linux), or the kernel refuses the advice, or for an array under 2 MiB, the
 tensor is PyTorch's own: the same numbers either way, only their pages differ.
