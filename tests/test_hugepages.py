@@ -44,6 +44,11 @@ def test_a_large_tensor_is_advised_for_huge_pages_and_a_small_one_is_pytorchs():
     assert advised(large) and not advised(small)
 
 
+def test_zeros_off_the_cpu_are_torch_zeros_there():
+    tensor = hugepages.zeros(3 << 20, dtype=torch.float32, device="meta")  # past 2 MiB: no mapping made off the CPU
+    assert tensor.device.type == "meta" and tensor.shape == (3 << 20,)
+
+
 def test_on_huge_pages_copies_the_values_and_leaves_small_or_aligned_tensors_alone():
     tensor = torch.randn(1024, 1024)
     moved = hugepages.on_huge_pages(tensor)

@@ -32,12 +32,12 @@ def advises() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.path.isdir("/sys/kernel/mm/transparent_hugepage")
 
 
-def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(*shape, dtype=dtype)`` on the CPU, from 2 MiB-aligned anonymous memory advised for huge pages where
-    the tensor takes at least one such page (the kernel zero-fills the pages as they are first touched)."""
+def zeros(*shape: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """``torch.zeros(*shape, dtype=dtype, device=device)``; on the CPU from 2 MiB-aligned anonymous memory advised for
+    huge pages where the tensor takes at least one such page (the kernel zero-fills the pages as they are first touched)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not advises():
-        return torch.zeros(*shape, dtype=dtype)
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not advises():
+        return torch.zeros(*shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a page more, to align within
     try:
         region.madvise(mmap.MADV_HUGEPAGE)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from ..hf.cache import CompressedCache, hidden_statistics
-from ..hugepages import move_parameters
 from ..hf.replay import run_replay
+from ..hugepages import move_parameters
 from ..read import read
 from ..read.paged import compiled_arguments
 from ..session import Session

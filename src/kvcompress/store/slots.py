@@ -117,15 +117,11 @@ class SlotPool:
 
     def _empty_arrays(self, slots: int) -> None:
         size = slots + 1
-        self.arrays = {name: self._zeros(size, *shape, dtype=dt) for name, (shape, dt) in self._fields.items()}
+        # on the CPU on 2 MiB pages: a decoding step reads held entries at scattered slots, one TLB miss a 4 KiB page otherwise
+        self.arrays = {name: hugepages.zeros(size, *shape, dtype=dt, device=self.device) for name, (shape, dt) in self._fields.items()}
         self.refs = torch.zeros(size, dtype=torch.int32, device="cpu")
         self._free = torch.arange(size - 1, 0, -1, dtype=torch.long, device="cpu")  # a stack, top at the end: slots 1, 2, ... first
         self._top = size - 1
-
-    def _zeros(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        """An array of the pool's: on the CPU on 2 MiB pages (``hugepages``: a decoding step reads held entries at
-        scattered slots, one TLB miss a 4 KiB page otherwise)."""
-        return hugepages.zeros(*shape, dtype=dtype) if self.device.type == "cpu" else torch.zeros(*shape, dtype=dtype, device=self.device)
 
     @_plain_tensors
     def trim(self) -> None:
@@ -308,7 +304,7 @@ class SlotPool:
         budget = self.budget
         budget.peak_allocated = max(budget.peak_allocated, budget.allocated_bytes + (size - old) * self.bytes_per_slot)
         for name, array in self.arrays.items():
-            grown = self._zeros(size, *array.shape[1:], dtype=array.dtype)
+            grown = hugepages.zeros(size, *array.shape[1:], dtype=array.dtype, device=array.device)
             grown[:old] = array
             self.arrays[name] = grown
         self.refs = torch.cat([self.refs, torch.zeros(size - old, dtype=torch.int32, device="cpu")])
