@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvcompress.read import decode_weights, read
 from kvcompress.kernels import cpu_kernels
-from kvcompress.read.paged import entry_weights, entry_weights_torch, paged_decode, paged_decode_torch
+from kvcompress.read.paged import compiled_step, entry_weights, entry_weights_torch, paged_decode, paged_decode_torch
 from kvcompress.read.pages import page_bounds_torch, top_pages, top_pages_torch
 from kvcompress.read.reference import read_reference
 from kvcompress.store.codecs import KiviCodec
@@ -294,6 +294,68 @@ def test_a_view_reads_in_place_while_its_entries_are_plain_or_of_one_kivi_tier()
     first = table.view(pool, slice(0, 1))
     assert first.pages is not None and first.pages.arrays()[2].tier == 1
     agrees(first)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the compiled CPU kernels are not built")
+@settings(max_examples=30, deadline=None)
+@given(layers=st.integers(1, 3), rows=st.integers(1, 3), heads=st.integers(1, 2), groups=st.sampled_from([1, 3]), data=st.data(),
+       weighted=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), coded_rate=st.sampled_from([0.0, 0.5]),
+       seed=st.integers(0, 2**16))
+def test_a_step_reads_each_layer_as_paged_decode_reads_its_tables(layers, rows, heads, groups, data, weighted, dtype, coded_rate, seed):
+    """A decoding step's reads laid out once (``PagedStep``: per row the tables of every layer [L, H, C], strided views of
+    (slot, position) pairs, the lengths [L, R, H]): each layer's read is paged_decode's over that layer's tables, bit for
+    bit, plain and KIVI-coded entries, with and without log-weights."""
+    lengths = data.draw(st.lists(st.sampled_from([0, 1, 5, 64, 65, 300]), min_size=layers * rows * heads, max_size=layers * rows * heads))
+    query, keys, values, tables, length, log_weights, _, kivi = _case(seed, layers * rows, heads, groups, 16, lengths, 0.3, weighted,
+                                                                      dtype, coded_rate, group_size=16)
+    width = max(t.shape[1] for t in tables)
+    pairs = torch.zeros(rows, layers, heads, width + 2, 2, dtype=torch.int32)  # each row's tables of every layer, side by side
+    weights = torch.zeros(rows, layers, heads, width + 2)
+    for index, table in enumerate(tables):
+        pairs[index % rows, index // rows, :, : table.shape[1], 0] = table
+        if weighted:
+            weights[index % rows, index // rows, :, : table.shape[1]] = log_weights[index]
+    step_tables = [pairs[r, ..., 0] for r in range(rows)]
+    step_weights = [weights[r] if weighted else None for r in range(rows)]
+    slots = torch.arange(layers * rows * heads).view(layers, rows, heads)
+    step = compiled_step(Pages(lambda: (keys, values, kivi), step_tables, length.view(layers, rows, heads), step_weights), slots, 16)
+    assert step.layers == layers
+    for layer in range(layers):
+        part = slice(layer * rows, (layer + 1) * rows)
+        expected, _ = paged_decode(query[part], keys, values, tables[part], length[part], log_weights[part] if weighted else None, 0.25, kivi)
+        assert torch.equal(step.read(query[part], 0.25, layer), expected)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the compiled CPU kernels are not built")
+def test_a_step_refuses_tables_that_do_not_fit_before_any_read():
+    keys = values = torch.zeros(8, 16)
+    tables, lengths, none = [torch.zeros(2, 1, 4, dtype=torch.int32)], torch.full((2, 1, 1), 4), [torch.empty(0)]
+    make = cpu_kernels().PagedStep
+    make(keys, values, torch.ones(2, 1, 1, dtype=torch.long), tables, lengths, none, TIER_SHIFT, [], [])
+    with pytest.raises(RuntimeError, match="longer than its slot table"):
+        make(keys, values, torch.ones(2, 1, 1, dtype=torch.long), tables, lengths + 1, none, TIER_SHIFT, [], [])
+    with pytest.raises(RuntimeError, match=r"\[layers, H, L\]"):
+        make(keys, values, torch.ones(2, 1, 1, dtype=torch.long), [tables[0][:1]], lengths, none, TIER_SHIFT, [], [])
+    with pytest.raises(RuntimeError, match="slots"):
+        make(keys, values, torch.ones(2, 2, 1, dtype=torch.long), tables, lengths, none, TIER_SHIFT, [], [])
+    with pytest.raises(RuntimeError, match="no such layer"):
+        make(keys, values, torch.ones(2, 1, 1, dtype=torch.long), tables, lengths, none, TIER_SHIFT, [], []).read(torch.zeros(1, 1, 16), 1.0, 2)
+
+
+def test_a_step_finds_every_layer_of_its_tables_in_place_while_one_reader_covers_them():
+    """``SlotTable.step_pages``: the tables' own arrays (no copy) and lengths [L, R, H], plain or of one KIVI tier; None once
+    the rows name two tiers no one read covers."""
+    torch.manual_seed(2)
+    pool, tables = SlotPool(16), [SlotTable(2, 2), SlotTable(2, 2)]
+    for table, n in zip(tables, (80, 50)):
+        table.append(pool, torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16), torch.arange(n).expand(2, n))
+    pages = SlotTable.step_pages(pool, tables)
+    assert [t.data_ptr() for t in pages.tables] == [t.ids.data_ptr() for t in tables] and pages.arrays()[2] is None
+    assert torch.equal(pages.lengths, torch.stack([t.lengths for t in tables], 1)) and pages.log_weights == [None, None]
+    tables[0].code(pool, pool.tier(KiviCodec(bits=4, group_size=32)), recent=16, rows=slice(0, 2))
+    assert SlotTable.step_pages(pool, tables).arrays()[2].tier == 1
+    tables[1].code(pool, pool.tier(KiviCodec(bits=2, group_size=16)), recent=16, rows=slice(1, 2))
+    assert SlotTable.step_pages(pool, tables) is None
 
 
 def test_a_selection_reads_only_the_chosen_entries_in_place():

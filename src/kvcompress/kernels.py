@@ -10,12 +10,14 @@ PyTorch path beside its caller, the reference it is tested against and what runs
 * ``omnikv_tokens.cpp``: OmniKV's chosen tokens and a layer's columns holding them (``methods/omnikv.py``);
 * ``merge_pairs.cpp``: the merging methods' decoding pairs, the entry that leaves and its carrier (``methods/merging.py``);
 * ``compact_tables.cpp``: a slot table's rows keeping what a mask marks, in place (``store/slots.py``);
+* ``append_step.cpp``: a decoding step's new entries recorded in its requests' slot tables (``store/slots.py``);
 * ``deltakv_rebuild.cpp``: DeltaKV's coded tokens rebuilt (``store/deltakv.py``), and read in place by a decoding read
   (``read/paged.py``);
 * ``decoder_ops.cpp``: the engine decoder's norms, RoPE and SiLU, one pass each (``engine/decoder.py``);
 * ``linear_rows.cpp``: a float32 or bfloat16 linear product over a decoding step's few rows (``engine/packed.py``);
 * ``replay_chunk.cpp``: KVzip's replay chunk over held entries in bfloat16 (``read/sdpa.py``);
-* ``decode_layer.cpp``: a decoding step's whole decoder layer in one call, of the functions above (``engine/decoder.py``).
+* ``decode_layer.cpp``: a decoding step's whole decoder layer in one call, of the functions above (``engine/decoder.py``);
+* ``greedy_rows.cpp``: each row's greedy token and whether it holds a NaN, from a step's logits (``engine/sampling.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "summary_merge.cpp", "select_tables.cpp",
                                                               "top_pages.cpp", "omnikv_tokens.cpp", "merge_pairs.cpp", "compact_tables.cpp",
                                                               "deltakv_rebuild.cpp", "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp",
-                                                              "decode_layer.cpp")]
+                                                              "decode_layer.cpp", "append_step.cpp", "greedy_rows.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 NOTHING = torch.empty(0)  # the kernels' "none" for a tensor argument
 _built: object | None = None

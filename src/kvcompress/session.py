@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,7 +359,7 @@ class Session:
         self.method.read_weights(view if view is not None else self.view(layer_idx),
                                  self._context_or_new(context, layer_idx, query, positions), weights)
 
-    def _count_reads(self, read: int, layers: list[int]) -> None:
+    def _count_reads(self, read: int, layers: Iterable[int]) -> None:
         """A decoding step's ``read`` entries over ``layers``, beside what a full cache would have read there (``cr``)."""
         self.reads[0] += read
         full = sum(self.layers[i].seen * self.batch_size - self.layers[i].padded for i in layers)
@@ -402,22 +403,37 @@ class Session:
         there (``SlotPool.write``), then ``written``. Returns the slots [num_layers, H]. A method that does not select
         has its reads counted here, for every layer: a layer reads all it holds now, since a method acting while
         decoding changes a layer only after that layer's read."""
-        if self.batch_size != 1:
-            raise ValueError("begin_step: a session of one request (the engine's); decode a batch layer by layer")
-        self._start_step()
-        heads = self.num_kv_heads
-        slots = self.pool.allocate(self.num_layers * heads).view(self.num_layers, heads)
-        positions = torch.full((self.num_layers, 1), position, dtype=torch.int32, device=slots.device)
+        return Session.begin_steps([self], [position])[:, 0]
+
+    @staticmethod
+    def begin_steps(sessions: list[Session], positions: list[int]) -> torch.Tensor:
+        """``begin_step`` for the sessions of many requests on one pool (an engine step's decoding rows), session r's
+        token at ``positions[r]``: one allocation and one record for all (``SlotTable.append_step``). Returns the slots
+        [num_layers, R, H]."""
+        first = sessions[0]
+        for session in sessions:
+            if session.batch_size != 1:
+                raise ValueError("begin_step: a session of one request (the engine's); decode a batch layer by layer")
+            if session.pool is not first.pool or session.num_layers != first.num_layers or session.num_kv_heads != first.num_kv_heads:
+                raise ValueError("begin_steps: sessions on one pool, of one model")
+            session._start_step()
+        shape = (len(sessions), first.num_layers, first.num_kv_heads)
+        slots = first.pool.allocate(shape[0] * shape[1] * shape[2]).view(shape)
         try:
-            self.table.append_slots(self.pool, slots[:, :, None], positions)
+            SlotTable.append_step(first.pool, [s.table for s in sessions], slots, positions)
         except BaseException:
-            self.pool.release(slots.reshape(-1))  # not recorded: nothing holds them
+            first.pool.release(slots.reshape(-1))  # not recorded: nothing holds them
             raise
+        for session in sessions:
+            session._count_step()
+        return slots.transpose(0, 1)
+
+    def _count_step(self) -> None:
+        """A decoding token in every layer; a method that does not select has every layer's reads counted."""
         for layer in self.layers:
             layer.count(1)
         if not self.method.selects:
-            self._count_reads(self.table.num_entries(), list(range(self.num_layers)))
-        return slots
+            self._count_reads(self.table.num_entries(), range(self.num_layers))
 
     @property
     def acts_per_layer(self) -> bool:

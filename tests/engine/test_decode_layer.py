@@ -112,11 +112,11 @@ def test_the_compiled_layer_refuses_what_it_cannot_take():
     layer_class = cpu_kernels().DecodeLayer
     norm, weight = torch.ones(64), [torch.randn(64, 64)]
     with pytest.raises(RuntimeError, match="norms"):
-        layer_class([norm], [1e-6], [weight] * 4, [None] * 4, 4, 2, 16)
+        layer_class([norm], [1e-6], [weight] * 4, [None] * 4, 4, 2, 16, 0.25)
     with pytest.raises(RuntimeError, match="four products"):
-        layer_class([norm, norm], [1e-6, 1e-6], [weight] * 3, [None] * 3, 4, 2, 16)
+        layer_class([norm, norm], [1e-6, 1e-6], [weight] * 3, [None] * 3, 4, 2, 16, 0.25)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):
-        layer_class([norm, norm], [1e-6, 1e-6], [weight] * 4, [None] * 4, 3, 2, 16)
+        layer_class([norm, norm], [1e-6, 1e-6], [weight] * 4, [None] * 4, 3, 2, 16, 0.25)
 
 
 def small_layer(dtype=torch.float32, seed=0):
@@ -125,7 +125,7 @@ def small_layer(dtype=torch.float32, seed=0):
     weight = lambda n, k: (torch.randn(n, k, generator=gen) / 8).to(dtype)  # noqa: E731
     norm = torch.ones(64, dtype=dtype)
     layer = cpu_kernels().DecodeLayer([norm, norm], [1e-6, 1e-6], [[weight(128, 64)], [weight(64, 64)], [weight(128, 64)], [weight(64, 64)]],
-                                      [None] * 4, 4, 2, 16)
+                                      [None] * 4, 4, 2, 16, 0.25)
     return layer, gen
 
 
@@ -134,24 +134,26 @@ def call_with_empty_reads(layer, gen, slots, keys, values, dtype=torch.float32):
     rows = slots.numel() // 2
     hidden = torch.randn(rows, 64, generator=gen).to(dtype)
     cos, sin = torch.ones(rows, 1, 16, dtype=dtype), torch.zeros(rows, 1, 16, dtype=dtype)
-    tables = [torch.zeros(2, 1, dtype=torch.int32) for _ in range(rows)]
-    return layer(hidden, None, cos, sin, 0.25, slots, keys, values, tables, torch.zeros(rows, 2, dtype=torch.long),
-                 [torch.empty(0)] * rows, 27, [], [])
+    tables = [torch.zeros(1, 2, 1, dtype=torch.int32) for _ in range(rows)]
+    step = cpu_kernels().PagedStep(keys, values, slots.view(1, rows, 2), tables, torch.zeros(1, rows, 2, dtype=torch.long),
+                                   [torch.empty(0)] * rows, 27, [], [])
+    return layer(hidden, None, cos, sin, step, 0)
 
 
 @pytest.mark.parametrize("dtype", RUNS or [torch.float32])
 def test_the_compiled_layer_writes_each_new_entry_into_its_slot(dtype):
-    """Rows in the pool's dtype are copied where they lie; other slots' dtypes take ``index_copy_``: both leave the same
-    pool (each of the 3 rows × 2 heads' keys and values in its own slot, every other slot untouched)."""
+    """Rows in the pool's dtype are copied where they lie; a pool of another dtype takes ``index_copy_`` (float64 here:
+    every value exact): both leave the same pool (each of the 3 rows × 2 heads' keys and values in its own slot, every
+    other slot untouched)."""
     layer, _ = small_layer(dtype)
     slots = torch.tensor([7, 3, 12, 5, 9, 1])
     pools = []
-    for index in (slots, slots.int()):  # int64: copied in place; int32: through index_copy_
-        keys, values = torch.full((16, 16), -1.0, dtype=dtype), torch.full((16, 16), -2.0, dtype=dtype)
-        call_with_empty_reads(layer, torch.Generator().manual_seed(3), index, keys, values, dtype)
+    for pool_dtype in (dtype, torch.float64):  # the rows' dtype: copied in place; another: through index_copy_
+        keys, values = torch.full((16, 16), -1.0, dtype=pool_dtype), torch.full((16, 16), -2.0, dtype=pool_dtype)
+        call_with_empty_reads(layer, torch.Generator().manual_seed(3), slots, keys, values, dtype)
         pools.append((keys, values))
-    (keys, values), (keys_ref, values_ref) = pools
-    assert torch.equal(keys, keys_ref) and torch.equal(values, values_ref)
+    (keys, values), (keys_wide, values_wide) = pools
+    assert torch.equal(keys.double(), keys_wide) and torch.equal(values.double(), values_wide)
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[slots] = False
     assert (keys[untouched] == -1).all() and (values[untouched] == -2).all()

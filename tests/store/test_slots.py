@@ -414,3 +414,63 @@ def test_entries_recorded_before_their_keys_get_the_page_bounds_of_an_append(len
                 full = int(plain.lengths[r, h]) // page_size
                 assert torch.equal(engine.page_bounds[r, h, :full], plain.page_bounds[r, h, :full]), (step, r, h)
         _check_page_bounds(engine, engine.view(pool))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tables=st.integers(1, 4), layers=st.integers(1, 3), heads=st.integers(1, 3), data=st.data(), seed=st.integers(0, 2**16))
+def test_a_steps_entries_recorded_at_once_equal_those_recorded_table_by_table(tables, layers, heads, data, seed):
+    """``SlotTable.append_step`` (the compiled pass where it can, ``append_slots`` elsewhere) leaves every table as
+    ``append_slots`` table by table does: ragged heads, log-weights and channels (new entries' 0), tables full to their
+    capacity (grown), page bounds to follow (Quest's), empty heads. (Each table of a pair holds its own slots.)"""
+    gen = torch.Generator().manual_seed(seed)
+    pool = SlotPool(DIM, initial=8)
+    pairs = []
+    for _ in range(tables):
+        length, page_size = data.draw(st.integers(0, 9)), data.draw(st.sampled_from([0, 0, 2]))
+        made = [SlotTable(layers, heads, page_size=page_size) for _ in range(2)]
+        keys = torch.randn(layers, heads, length, DIM, generator=gen)
+        keep = torch.rand(layers, heads, length, generator=gen) < data.draw(st.sampled_from([0.5, 1.0]))
+        weights = torch.randn(layers, heads, length, generator=gen) if data.draw(st.booleans()) else None
+        for table in made:
+            table.append(pool, keys, keys, torch.arange(length).expand(layers, length))
+            if length:
+                table.apply(pool, Edit(keep=keep, channels={} if weights is None else {SlotTable.LOG_WEIGHTS: weights, "score": -weights}))
+        pairs.append(made)
+    before = [made[0].ids.clone() for made in pairs]
+    slots = pool.allocate(2 * tables * layers * heads).view(2, tables, layers, heads)
+    positions = [int(p) for p in torch.randint(0, 2**20, (tables,), generator=gen)]
+    for made, own, position in zip(pairs, slots[1], positions):
+        made[1].append_slots(pool, own[:, :, None], torch.full((layers, 1), position, dtype=torch.int32))
+    SlotTable.append_step(pool, [made[0] for made in pairs], slots[0], positions)
+    for t, (at_once, alone) in enumerate(pairs):
+        assert torch.equal(at_once.lengths, alone.lengths) and at_once.capacity >= int(at_once.lengths.max())
+        span = int(alone.lengths.max())
+        ids, reference = at_once.ids[:, :, :span], alone.ids[:, :, :span]
+        assert torch.equal(ids[..., 1], reference[..., 1])  # the positions
+        last = (alone.lengths - 1)[..., None]  # each head's new entry: the slot it was given, where append_slots put its own
+        assert torch.equal(ids[..., 0].gather(-1, last)[..., 0], slots[0, t].int())
+        assert torch.equal(reference[..., 0].gather(-1, last)[..., 0], slots[1, t].int())
+        width = min(span, before[t].shape[2])
+        held = torch.arange(width) < last  # the entries before it: as they were
+        assert torch.equal(ids[:, :, :width][held], before[t][:, :, :width][held])
+        assert (at_once.weights is None) == (alone.weights is None)
+        if alone.weights is not None:
+            valid = torch.arange(span) < alone.lengths[..., None]
+            assert torch.equal(at_once.weights[:, :, :span][valid], alone.weights[:, :, :span][valid])
+        assert (at_once.page_bounds is None) == (alone.page_bounds is None) and at_once._pages_due == alone._pages_due
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the compiled CPU kernels are not built")
+def test_a_steps_record_refuses_a_bad_slot_before_writing_any_table():
+    pool, tables = SlotPool(DIM), [SlotTable(2, 1), SlotTable(2, 1)]
+    for table in tables:
+        table.append(pool, torch.randn(2, 1, 3, DIM), torch.randn(2, 1, 3, DIM), torch.arange(3).expand(2, 3))
+        table._reserve(8)
+    slots = pool.allocate(4).view(2, 2, 1)
+    bad = slots.clone()
+    bad[1, 1, 0] = 0  # slot 0 is a hole, never a new entry's
+    before = [table.ids.clone() for table in tables]
+    with pytest.raises(RuntimeError, match="int32 id above 0"):
+        SlotTable.append_step(pool, tables, bad, [3, 3])
+    assert all(torch.equal(table.ids, ids) for table, ids in zip(tables, before))
+    assert all(int(table.lengths.sum()) == 6 for table in tables)

@@ -2,15 +2,15 @@
 // one token and read their entries where they live, with no Python between its operations (at a step's few rows the
 // interpreter's work around a layer's dozen operations costs about a third of the step on a 2-core CPU).
 //
-//   DecodeLayer(norms, eps, products, biases, query_heads, kv_heads, head_dim): the layer's RMSNorm weights [D] with their
-//     epsilons (input, post-attention, then the query and key head norms where the model has them, Qwen3) and its four
+//   DecodeLayer(norms, eps, products, biases, query_heads, kv_heads, head_dim, scaling): the layer's RMSNorm weights [D] with
+//     their epsilons (input, post-attention, then the query and key head norms where the model has them, Qwen3), its four
 //     products' weights, each a list of pieces [N_i, K] side by side as linear_rows takes them (query-key-value, output,
-//     gate-up, down), each with its bias or None.
-//   layer(hidden [R, D], delta [R, D] or None, cos, sin [R, 1, d] (decoder.py's `_Rotary`), scaling, slots [R · H] (where each
-//     row's new keys and values go, row-major), keys, values [S, d] (the pool's plain arrays), then paged_decode's tables,
-//     lengths, log-weights, tier shift, KIVI spec and arrays) → (the residual stream with delta and the attention added,
-//     the MLP's output to add next): as `_Layer.__call__` with the runner's decoding read, each operation the same
-//     compiled function the Python path calls, in the same order, so the two agree bit for bit.
+//     gate-up, down), each with its bias or None, and its attention's scaling.
+//   layer(hidden [R, D], delta [R, D] or None, cos, sin [R, 1, d] (decoder.py's `_Rotary`), step, index): the step's
+//     reads in place (`PagedStep`, paged_decode.cpp: where each row's new keys and values go, the pool's plain arrays, every
+//     layer's tables) at layer `index` → (the residual stream with delta and the attention added, the MLP's output to add
+//     next): as `_Layer.__call__` with the runner's decoding read, each operation the same compiled function the Python
+//     path calls, in the same order, so the two agree bit for bit.
 #include "kernels.h"
 
 #include <cstring>
@@ -26,17 +26,17 @@ struct Norm {
 };
 
 // SlotPool.write of one layer's new entries: row (r, h) of `rows` [R, H, d] (a view of the layer's product) into slot
-// slots[r · H + h] of the pool's array [S, d]. Rows already in the pool's dtype are copied one by one where they lie;
-// others take index_copy_ (which first makes them contiguous, in the pool's dtype, and the slots int64: ~15 µs a layer).
-void write_rows(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows) {
+// slot[r · H + h] of the pool's array [S, d]. Rows already in the pool's dtype are copied one by one where they lie;
+// others take index_copy_ (which first makes them contiguous, in the pool's dtype: ~15 µs a layer). Every slot is checked
+// before any is written.
+void write_rows(const at::Tensor& pool, const int64_t* slot, const at::Tensor& rows) {
   const int64_t d = rows.size(2), count = rows.size(0) * rows.size(1), size = pool.size(0);
-  if (rows.scalar_type() != pool.scalar_type() || !pool.is_contiguous() || rows.stride(2) != 1 || !slots.is_contiguous() ||
-      slots.scalar_type() != at::kLong) {
-    pool.index_copy_(0, slots.reshape(-1).to(at::kLong), rows.reshape({-1, d}).to(pool.scalar_type()));
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < size, "DecodeLayer: a new entry's slot outside the pool");
+  if (rows.scalar_type() != pool.scalar_type() || !pool.is_contiguous() || rows.stride(2) != 1) {
+    const at::Tensor index = at::from_blob(const_cast<int64_t*>(slot), {count}, at::kLong);
+    pool.index_copy_(0, index, rows.reshape({-1, d}).to(pool.scalar_type()));
     return;
   }
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < size, "DecodeLayer: a new entry's slot outside the pool");
   const int64_t bytes = d * rows.element_size(), heads = rows.size(1);
   const char* from = static_cast<const char*>(rows.data_ptr());
   char* to = static_cast<char*>(pool.data_ptr());
@@ -55,8 +55,8 @@ struct Product {
 class DecodeLayer {
  public:
   DecodeLayer(const std::vector<at::Tensor>& norms, const std::vector<double>& eps, const std::vector<std::vector<at::Tensor>>& products,
-              const std::vector<std::optional<at::Tensor>>& biases, int64_t query_heads, int64_t kv_heads, int64_t head_dim)
-      : query_heads_(query_heads), kv_heads_(kv_heads), head_dim_(head_dim) {
+              const std::vector<std::optional<at::Tensor>>& biases, int64_t query_heads, int64_t kv_heads, int64_t head_dim, double scaling)
+      : query_heads_(query_heads), kv_heads_(kv_heads), head_dim_(head_dim), scaling_(scaling) {
     TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && eps.size() == norms.size(),
                 "DecodeLayer: the input and post-attention norms (and the query and key head norms), each with its epsilon");
     TORCH_CHECK(products.size() == 4 && biases.size() == 4, "DecodeLayer: four products (query-key-value, output, gate-up, down) and their biases");
@@ -67,13 +67,11 @@ class DecodeLayer {
   }
 
   std::vector<at::Tensor> operator()(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& cos,
-                                     const at::Tensor& sin, double scaling, const at::Tensor& slots, at::Tensor keys, at::Tensor values,
-                                     const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
-                                     const std::vector<at::Tensor>& log_weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
-                                     const std::vector<at::Tensor>& kivi_arrays) const {
+                                     const at::Tensor& sin, const PagedStep& step, int64_t index) const {
     TORCH_CHECK(hidden.dim() == 2, "DecodeLayer: hidden [R, D], one decoding token per row");
     const int64_t rows = hidden.size(0), queries = query_heads_, heads = kv_heads_, d = head_dim_;
-    TORCH_CHECK(slots.numel() == rows * heads, "DecodeLayer: a slot per row and KV head");
+    TORCH_CHECK(step.rows() == rows && step.heads() == heads, "DecodeLayer: the step's rows and KV heads as the layer's");
+    const int64_t* slots = step.slots(index);
     const auto [stream, inputs] = unpack2(norms_[0](hidden, delta));
     const at::Tensor projected = products_[0](inputs).view({rows, queries + 2 * heads, d});
     at::Tensor query, key;
@@ -85,10 +83,9 @@ class DecodeLayer {
       key = rope(norms_[3](projected.narrow(1, queries, heads), std::nullopt)[1], cos, sin);
     }
     const at::Tensor value = projected.narrow(1, queries + heads, heads);
-    write_rows(keys, slots, key);  // SlotPool.write: the entries in the pool's dtype, in place
-    write_rows(values, slots, value);
-    const at::Tensor out = paged_decode(query, scaling, keys, values, tables, lengths, log_weights, tier_shift, kivi_spec, kivi_arrays,
-                                        at::Tensor())[0];
+    write_rows(step.keys(), slots, key);  // SlotPool.write: the entries in the pool's dtype, in place
+    write_rows(step.values(), slots, value);
+    const at::Tensor out = step.read(query, scaling_, index);
     const auto [summed, normed] = unpack2(norms_[1](stream, products_[1](out.reshape({rows, -1}))));
     return {summed, products_[3](silu_mul(products_[2](normed)))};
   }
@@ -99,11 +96,17 @@ class DecodeLayer {
   std::vector<Norm> norms_;
   std::vector<Product> products_;
   int64_t query_heads_, kv_heads_, head_dim_;
+  double scaling_;
 };
 
 void bind_decode_layer(pybind11::module_& m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer", "A decoding step's whole decoder layer in one call (CPU)")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<double>&, const std::vector<std::vector<at::Tensor>>&,
-                          const std::vector<std::optional<at::Tensor>>&, int64_t, int64_t, int64_t>())
+                          const std::vector<std::optional<at::Tensor>>&, int64_t, int64_t, int64_t, double>())
       .def("__call__", &DecodeLayer::operator());
+  pybind11::class_<PagedStep>(m, "PagedStep", "A decoding step's reads in place, every layer's, laid out once a step (CPU)")
+      .def(pybind11::init<const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::vector<at::Tensor>&, const at::Tensor&,
+                          const std::vector<at::Tensor>&, int64_t, const std::vector<int64_t>&, const std::vector<at::Tensor>&>())
+      .def_property_readonly("layers", &PagedStep::layers)
+      .def("read", &PagedStep::read, "paged_decode's output over a layer's tables");
 }

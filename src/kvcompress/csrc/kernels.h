@@ -9,9 +9,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -156,6 +158,29 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, double scaling, co
                                      const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
                                      const std::vector<at::Tensor>& kivi_arrays, at::Tensor scores);
 
+// A decoding step's reads in place, every layer's, checked and laid out once a step (paged_decode.cpp): the pool's keys and
+// values [S, d], the new entries' slots int64 [layers, R, H], per row its slot table of every layer int32 [layers, H, L] (any
+// strides) and log-weights float32 [layers, H, L] (or an empty tensor), the lengths int64 [layers, R, H], then the tier shift
+// and KIVI's spec and arrays as paged_decode takes them. `read(query, scaling, layer)` is paged_decode's output over the
+// layer's tables; `slots(layer)` the layer's new entries' slots (R · H, row-major).
+class PagedStep {
+ public:
+  PagedStep(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, const std::vector<at::Tensor>& tables,
+            const at::Tensor& lengths, const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
+            const std::vector<at::Tensor>& kivi_arrays);
+  int64_t layers() const;
+  int64_t rows() const;
+  int64_t heads() const;
+  const at::Tensor& keys() const;
+  const at::Tensor& values() const;
+  const int64_t* slots(int64_t layer) const;  // R · H of them
+  at::Tensor read(const at::Tensor& query, double scaling, int64_t layer) const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
 at::Tensor entry_weights(at::Tensor scores, const at::Tensor& lse, int64_t group, bool mean);
 
 at::Tensor top_pages(const at::Tensor& query, const at::Tensor& bounds, const at::Tensor& useful, const at::Tensor& count,
@@ -173,6 +198,12 @@ std::vector<at::Tensor> merge_pairs(const at::Tensor& keys, const std::vector<at
 
 std::vector<at::Tensor> compact_tables(at::Tensor ids, at::Tensor weights, const at::Tensor& keep, const at::Tensor& lengths,
                                        int64_t pad_slot, int64_t pad_position);
+
+std::tuple<std::vector<int64_t>, std::vector<bool>> greedy_rows(const at::Tensor& logits);
+
+std::vector<bool> append_step(const std::vector<at::Tensor>& ids, const std::vector<at::Tensor>& lengths,
+                              const std::vector<at::Tensor>& weights, const at::Tensor& slots, const std::vector<int64_t>& positions,
+                              const std::vector<bool>& eligible);
 
 std::vector<at::Tensor> summary_merge(const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& matrix,
                                       const at::Tensor& bias);

@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("token_columns", &token_columns, "A layer's columns holding OmniKV's chosen tokens or protected entries (CPU)");
   m.def("merge_pairs", &merge_pairs, "Per KV head, the entry that leaves by score and its most cosine-similar open key (CPU)");
   m.def("compact_tables", &compact_tables, "Slot table rows keeping the entries a mask marks, in place (CPU)");
+  m.def("greedy_rows", &greedy_rows, "Each row's first largest logit and whether it holds a NaN (CPU)");
+  m.def("append_step", &append_step, "A decoding step's new entries recorded in its requests' slot tables, a slot per layer and head (CPU)");
   m.def("summary_merge", &summary_merge, "A decoding read's summary (an affine read of the query) merged into its output by log-sum-exp (CPU)");
   m.def("deltakv_rebuild", &deltakv_rebuild, "DeltaKV's coded tokens rebuilt: keys (RoPE applied) and values (CPU)");
   m.def("deltakv_decode", &deltakv_decode, "Decode attention over slot tables naming DeltaKV's coded tokens, read in place (CPU)");

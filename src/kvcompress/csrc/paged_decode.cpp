@@ -573,14 +573,13 @@ void attend_chunk(const float* q, const at::BFloat16* q_bf16, float scaling, int
 
 template <typename scalar_t>
 void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, const at::Tensor& keys, const at::Tensor& values,
-         const Kivi& kivi, const std::vector<Table>& tables, const at::Tensor& lengths, at::Tensor& out, at::Tensor& lse,
+         const Kivi& kivi, const std::vector<Table>& tables, const int64_t* length, int64_t heads, at::Tensor& out, at::Tensor& lse,
          at::Tensor& scores) {
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
-  const int64_t heads = lengths.size(1), groups = hq / heads;
+  const int64_t groups = hq / heads;
   const int64_t num_slots = keys.size(0);
   const float* q = query.data_ptr<float>();
   const at::BFloat16* q_bf16 = query_bf16.defined() ? query_bf16.data_ptr<at::BFloat16>() : nullptr;
-  const int64_t* length = lengths.data_ptr<int64_t>();
   const scalar_t* k = keys.data_ptr<scalar_t>();
   const scalar_t* v = values.data_ptr<scalar_t>();
   const DecodeTasks tasks(length, rows * heads);
@@ -693,6 +692,63 @@ at::Tensor in_dtype(const at::Tensor& out, at::ScalarType dtype) {
   return cast;
 }
 
+namespace {
+
+// Row r's table as the read takes it: the int32 [H, L] `slots` (any strides) of `heads` heads, each at most `longest`
+// entries, and its float32 [H, L] log-weights (or an empty tensor); `slot_offset`, `weight_offset`: elements past each
+// tensor's start (a layer of a step's [layers, H, L] tables).
+Table table_view(const at::Tensor& slots, const at::Tensor& weights, int64_t heads, int64_t longest, int64_t slot_offset = 0,
+                 int64_t weight_offset = 0) {
+  const int64_t dims = slots.dim();
+  TORCH_CHECK(dims >= 2 && slots.scalar_type() == at::kInt && slots.size(dims - 2) == heads, "a slot table: int32 [H, L]");
+  TORCH_CHECK(longest <= slots.size(dims - 1), "a head is longer than its slot table");
+  Table view{slots.data_ptr<int32_t>() + slot_offset, slots.stride(dims - 2), slots.stride(dims - 1), nullptr, 0, 0};
+  if (weights.numel() > 0) {
+    TORCH_CHECK(weights.dim() == dims && weights.scalar_type() == at::kFloat && weights.size(dims - 2) == heads &&
+                    weights.size(dims - 1) >= longest,
+                "a log-weight table: float32 [H, L]");
+    view.weights = weights.data_ptr<float>() + weight_offset;
+    view.weight_head_stride = weights.stride(dims - 2);
+    view.weight_entry_stride = weights.stride(dims - 1);
+  }
+  return view;
+}
+
+// The read over rows' table views (checked by table_view) and their lengths, `heads` a row: paged_decode's result.
+std::vector<at::Tensor> decode_views(const at::Tensor& queries, double scaling, const at::Tensor& keys, const at::Tensor& values,
+                                     const std::vector<Table>& views, const int64_t* length, int64_t heads, const Kivi& kivi,
+                                     const at::Tensor& scores) {
+  TORCH_CHECK(queries.dim() == 3 && at::isFloatingType(queries.scalar_type()), "query: [R, Hq, d], float32, bfloat16 or float16");
+  const int64_t rows = static_cast<int64_t>(views.size());
+  TORCH_CHECK(queries.size(0) == rows && queries.size(1) % heads == 0, "query: a row per table, its heads a multiple of the KV heads");
+  const at::Tensor query = scaled_query(queries, static_cast<float>(scaling));
+  if (scores.numel() > 0) {
+    TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(0) == query.size(0) &&
+                    scores.size(1) == query.size(1) &&
+                    (rows * heads == 0 || scores.size(2) >= *std::max_element(length, length + rows * heads)),
+                "scores: float32 [R, Hq, L], contiguous, L at least every head's length");
+  }
+  auto out = at::empty(query.sizes(), query.options());
+  auto lse = at::empty({query.size(0), query.size(1)}, query.options());
+  // a bfloat16 query over bfloat16 keys: its plain keys' logits from the bfloat16 values themselves (dots16_bf16)
+  const bool bf16_dots = BF16_DOTS && WIDE_DOTS && queries.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+                         query.size(2) % 32 == 0;
+  const at::Tensor query_bf16 = bf16_dots ? queries.contiguous() : at::Tensor();
+  at::Tensor filled = scores;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode", [&] {
+    run<scalar_t>(query, query_bf16, static_cast<float>(scaling), keys, values, kivi, views, length, heads, out, lse, filled);
+  });
+  return {in_dtype(out, queries.scalar_type()), lse};
+}
+
+void check_pool(const at::Tensor& keys, const at::Tensor& values) {
+  TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
+                  keys.scalar_type() == values.scalar_type() && at::isFloatingType(keys.scalar_type()),
+              "keys and values: [S, d] of one dtype, contiguous");
+}
+
+}  // namespace
+
 // query [R, Hq, d] (float32, bfloat16 or float16), scaled by `scaling` here; keys, values [S, d] (float32, bfloat16 or float16); tables: per row an int32
 // [H, L_r] slot table (any strides); lengths [R, H] int64; weights: per row a float32 [H, L_r] log-weight table
 // or an empty tensor; tier_shift: an entry id is tier << tier_shift | its place in the tier (0: a plain slot);
@@ -705,51 +761,76 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& queries, double scaling, 
                                      const std::vector<at::Tensor>& tables, const at::Tensor& lengths,
                                      const std::vector<at::Tensor>& weights, int64_t tier_shift, const std::vector<int64_t>& kivi_spec,
                                      const std::vector<at::Tensor>& kivi_arrays, at::Tensor scores) {
-  TORCH_CHECK(queries.dim() == 3 && at::isFloatingType(queries.scalar_type()), "query: [R, Hq, d], float32, bfloat16 or float16");
-  const at::Tensor query = scaled_query(queries, static_cast<float>(scaling));
-  TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
-                  keys.scalar_type() == values.scalar_type() && keys.size(1) == query.size(2),
-              "keys and values: [S, d] of one dtype, contiguous, d as the query's");
-  TORCH_CHECK(lengths.dim() == 2 && lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.size(0) == query.size(0),
+  check_pool(keys, values);
+  TORCH_CHECK(queries.dim() == 3 && keys.size(1) == queries.size(2), "query: [R, Hq, d], d as the keys'");
+  TORCH_CHECK(lengths.dim() == 2 && lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.size(0) == queries.size(0),
               "lengths: int64 [R, H]");
-  TORCH_CHECK(query.size(1) % lengths.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(static_cast<int64_t>(tables.size()) == query.size(0) && weights.size() == tables.size(), "one table and one weight table per row");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == queries.size(0) && weights.size() == tables.size(), "one table and one weight table per row");
   std::vector<Table> views;
   const int64_t heads = lengths.size(1);
   const int64_t* length = lengths.data_ptr<int64_t>();
-  for (size_t r = 0; r < tables.size(); ++r) {
-    const at::Tensor& t = tables[r];
-    TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kInt && t.size(0) == heads, "a slot table: int32 [H, L]");
-    const int64_t longest = *std::max_element(length + r * heads, length + (r + 1) * heads);
-    TORCH_CHECK(longest <= t.size(1), "a head is longer than its slot table");
-    Table view{t.data_ptr<int32_t>(), t.stride(0), t.stride(1), nullptr, 0, 0};
-    const at::Tensor& w = weights[r];
-    if (w.numel() > 0) {
-      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) == t.size(0) && w.size(1) >= longest,
-                  "a log-weight table: float32 [H, L]");
-      view.weights = w.data_ptr<float>();
-      view.weight_head_stride = w.stride(0);
-      view.weight_entry_stride = w.stride(1);
+  for (size_t r = 0; r < tables.size(); ++r)
+    views.push_back(table_view(tables[r], weights[r], heads, *std::max_element(length + r * heads, length + (r + 1) * heads)));
+  return decode_views(queries, scaling, keys, values, views, length, heads, kivi_tier(tier_shift, kivi_spec, kivi_arrays, queries.size(2)),
+                      scores);
+}
+
+struct PagedStep::State {
+  at::Tensor keys, values, lengths;
+  at::Tensor slots;  // int64 [layers, R · H], contiguous
+  std::vector<at::Tensor> tables, weights, kivi_arrays;  // kept alive: the views point into them
+  int64_t rows = 0, heads = 0;
+  std::vector<std::vector<Table>> views;  // [layer][row]
+  Kivi kivi;
+};
+
+PagedStep::PagedStep(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, const std::vector<at::Tensor>& tables,
+                     const at::Tensor& lengths, const std::vector<at::Tensor>& weights, int64_t tier_shift,
+                     const std::vector<int64_t>& kivi_spec, const std::vector<at::Tensor>& kivi_arrays)
+    : state_(std::make_shared<State>()) {
+  check_pool(keys, values);
+  TORCH_CHECK(lengths.dim() == 3 && lengths.scalar_type() == at::kLong && lengths.is_contiguous(), "lengths: int64 [layers, R, H]");
+  const int64_t layers = lengths.size(0), rows = lengths.size(1), heads = lengths.size(2);
+  TORCH_CHECK(slots.dim() == 3 && slots.size(0) == layers && slots.size(1) == rows && slots.size(2) == heads,
+              "slots: the new entries' slots [layers, R, H]");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == rows && weights.size() == tables.size(), "one table and one weight table per row");
+  State& state = *state_;
+  state.keys = keys, state.values = values, state.lengths = lengths, state.tables = tables, state.weights = weights;
+  state.kivi_arrays = kivi_arrays;
+  state.kivi = kivi_tier(tier_shift, kivi_spec, kivi_arrays, keys.size(1));
+  state.slots = slots.to(at::kLong).reshape({layers, rows * heads}).contiguous();
+  state.rows = rows, state.heads = heads;
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  state.views.resize(layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const at::Tensor &table = tables[r], &weight = weights[r];
+      TORCH_CHECK(table.dim() == 3 && table.size(0) == layers && (weight.numel() == 0 || weight.size(0) == layers),
+                  "a step's slot and log-weight tables: [layers, H, L]");
+      const int64_t* row = length + (l * rows + r) * heads;
+      state.views[l].push_back(table_view(table, weight, heads, *std::max_element(row, row + heads), l * table.stride(0),
+                                          weight.numel() ? l * weight.stride(0) : 0));
     }
-    views.push_back(view);
   }
-  const Kivi kivi = kivi_tier(tier_shift, kivi_spec, kivi_arrays, query.size(2));
-  if (scores.numel() > 0) {
-    TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(0) == query.size(0) &&
-                    scores.size(1) == query.size(1) &&
-                    (lengths.numel() == 0 || scores.size(2) >= *std::max_element(length, length + lengths.numel())),
-                "scores: float32 [R, Hq, L], contiguous, L at least every head's length");
-  }
-  auto out = at::empty(query.sizes(), query.options());
-  auto lse = at::empty({query.size(0), query.size(1)}, query.options());
-  // a bfloat16 query over bfloat16 keys: its plain keys' logits from the bfloat16 values themselves (dots16_bf16)
-  const bool bf16_dots = BF16_DOTS && WIDE_DOTS && queries.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
-                         query.size(2) % 32 == 0;
-  const at::Tensor query_bf16 = bf16_dots ? queries.contiguous() : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(query, query_bf16, static_cast<float>(scaling), keys, values, kivi, views, lengths, out, lse, scores);
-  });
-  return {in_dtype(out, queries.scalar_type()), lse};
+}
+
+int64_t PagedStep::layers() const { return static_cast<int64_t>(state_->views.size()); }
+int64_t PagedStep::rows() const { return state_->rows; }
+int64_t PagedStep::heads() const { return state_->heads; }
+const at::Tensor& PagedStep::keys() const { return state_->keys; }
+const at::Tensor& PagedStep::values() const { return state_->values; }
+
+const int64_t* PagedStep::slots(int64_t layer) const {
+  TORCH_CHECK(layer >= 0 && layer < layers(), "PagedStep: no such layer");
+  return state_->slots.data_ptr<int64_t>() + layer * state_->rows * state_->heads;
+}
+
+at::Tensor PagedStep::read(const at::Tensor& query, double scaling, int64_t layer) const {
+  TORCH_CHECK(layer >= 0 && layer < layers(), "PagedStep: no such layer");
+  TORCH_CHECK(query.dim() == 3 && query.size(2) == state_->keys.size(1), "query: [R, Hq, d], d as the keys'");
+  const State& state = *state_;
+  return decode_views(query, scaling, state.keys, state.values, state.views[layer],
+                      state.lengths.data_ptr<int64_t>() + layer * state.rows * state.heads, state.heads, state.kivi, at::Tensor())[0];
 }
 
 // Each entry's attention weight from a decoding read's logits (read/paged.py's `entry_weights`; `entry_weights_torch` the

@@ -31,9 +31,9 @@ from .packed import FusedLinear, PackedLinear, copy_bytes, packed_or_own
 # (layer, queries [T, Hq, d], keys [T, H, d], values [T, H, d] after RoPE, positions [T], attention inputs [T, D],
 # scaling) → attention output [T, Hq, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-# layer → the decoding rows' new entries' slots [R, H], the pool's keys and values [S, d], then the compiled read's tables,
-# lengths, log-weights, tier shift, KIVI spec and arrays (``read.paged.compiled_arguments``); None: attend instead
-InPlace = Callable[[int], "tuple | None"]
+# layer → the decoding step's reads in place, every layer's (``csrc/paged_decode.cpp``'s ``PagedStep``: where the new
+# entries go, the pool's arrays, the tables; ``read.paged.compiled_step``), or None: the layer attends instead
+InPlace = Callable[[int], "object | None"]
 
 
 class _Rotary:
@@ -119,7 +119,7 @@ class _Layer:
                 or not all(isinstance(p, PackedLinear) and p.rows is not None for p in products)):
             return None, 0, None
         layer = kernels.DecodeLayer([n.weight for n in norms], [float(n.eps) for n in norms], [p.own for p in products],
-                                    [p.bias for p in products], *self.heads, self.head_dim)
+                                    [p.bias for p in products], *self.heads, self.head_dim, float(self.scaling))
         return layer, min(p.rows_streamed for p in products), products[0].own[0].dtype
 
     def __call__(self, index: int, hidden: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rotary: _Rotary,
@@ -166,9 +166,9 @@ class Decoder:
         rotary = _Rotary(self.rotary, hidden, positions, self.kernels)
         for index, layer in enumerate(self.layers):
             compiles = in_place is not None and layer.compiled is not None and hidden.shape[0] <= layer.compiled_rows
-            read = in_place(index) if compiles and hidden.dtype == layer.compiled_dtype else None
-            if read is not None:
-                hidden, delta = layer.compiled(hidden, delta, rotary.cos, rotary.sin, layer.scaling, *read)
+            reads = in_place(index) if compiles and hidden.dtype == layer.compiled_dtype else None
+            if reads is not None:
+                hidden, delta = layer.compiled(hidden, delta, rotary.cos, rotary.sin, reads, index)
             else:
                 hidden, delta = layer(index, hidden, delta, positions, rotary, attend)
         return self.lm_head(self.norm(hidden[keep], delta[keep])[1])

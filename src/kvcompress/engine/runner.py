@@ -4,8 +4,8 @@ A step's forward is one row of tokens: the last token of every decoding request,
 prompts (a whole prompt, or a chunk of a long one: chunked prefill), each at its own positions.
 The engine's own decoder forward (``engine/decoder.py``) runs it, and in each layer hands the row to
 ``_Step.attend``, which splits it: the decoding tokens write their keys and values where their requests' slot tables already
-name them (``Session.begin_step`` took and recorded every layer's slots before the forward, once per
-request) and are read in one batched read over one joint view (heads padded to the longest), each
+name them (``Session.begin_steps`` took and recorded every layer's slots before the forward, for every
+request at once) and are read in one batched read over one joint view (heads padded to the longest), each
 request's method acting on its own rows (only methods that select or act while decoding are called per
 layer); each prompt piece is prefilled into its request's session (a first piece starts
 the prompt, a later one attends the prompt so far), and the session compresses the layer when its
@@ -26,10 +26,9 @@ from ..hf.cache import CompressedCache, hidden_statistics
 from ..hf.replay import run_replay
 from ..hugepages import move_parameters
 from ..read import read
-from ..read.paged import compiled_arguments
+from ..read.paged import compiled_step
 from ..session import Session
 from ..store.slots import SlotPool, SlotTable, plain_tensors
-from ..store.view import DeltaKVBlocks
 from .decoder import Decoder
 from .request import Request
 
@@ -59,11 +58,15 @@ class _Step:
         self.lengths = SlotTable.step_lengths(self.tables) if fixed else None  # every layer's lengths, read once
         # a step of decoding rows alone, no method acting in its layers: ``in_place`` for the compiled layers
         self.reads_in_place = bool(sessions) and not self.acting and not pieces and slots.device.type == "cpu"
+        self._reads = None  # ``in_place``'s reads of every layer once made (False: none can be), until ``attend`` runs a layer
+        # the layers where a request merges a summary into its read (MomentKV's): none changes while no method acts
+        self.summarized = {i for s in sessions for i, layer in enumerate(s.layers) if layer.summary is not None} if self.reads_in_place else ()
 
     def attend(self, layer_idx: int, query, key, value, positions, hidden, scaling: float) -> torch.Tensor:
         """Queries [T, Hq, d] and new keys/values [T, H, d] at ``positions`` [T] (attention inputs ``hidden``
         [T, D]) → output [T, Hq, d]."""
         rows, outs = len(self.sessions), []
+        self._reads = None  # what the layer changes (coded entries, grown arrays), the next layers' reads must see
         if rows:
             decoding = (x[:rows, :, None] for x in (query, key, value))  # [R, H, 1, d] each
             out = self.decode_layer(layer_idx, *decoding, positions[:rows, None], scaling, hidden[:rows, None])
@@ -119,23 +122,17 @@ class _Step:
             session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
         return result.out
 
-    def in_place(self, layer_idx: int) -> tuple | None:
-        """One layer's write and read of the decoding rows as the compiled layer takes them (``decoder.InPlace``): the new
-        entries' slots, the pool's keys and values, then the compiled read's arguments; None where the step needs more
-        than the compiled layer does (work between the layer's write and its read: page bounds, entries due for coding; a
+    def in_place(self, layer_idx: int):
+        """The decoding rows' reads in place as the compiled layers take them (``decoder.InPlace``: a ``PagedStep`` of every
+        layer, made once and kept while no layer runs through ``attend``); None where layer ``layer_idx`` needs more than
+        the compiled layer does (work between the layer's write and its read: page bounds, entries due for coding; a
         summary to merge; entries only another read covers: DeltaKV's), and ``attend`` runs instead."""
-        sessions = self.sessions
-        if any(s.work_after_write(layer_idx) for s in self.following) or any(s.layers[layer_idx].summary is not None for s in sessions):
+        if layer_idx in self.summarized or (self.following and any(s.work_after_write(layer_idx) for s in self.following)):
             return None
-        lengths = None if self.lengths is None else self.lengths[layer_idx]
-        pages = SlotTable.joint_pages(self.runner.pool, self.tables, layer_idx, lengths)
-        if pages is None:
-            return None
-        keys, values, coded = pages.arrays()
-        if isinstance(coded, DeltaKVBlocks):
-            return None
-        return self.slots[layer_idx], keys, values, *compiled_arguments(pages.tables, pages.lengths, pages.log_weights, coded,
-                                                                         keys.shape[-1])
+        if self._reads is None:
+            pages = SlotTable.step_pages(self.runner.pool, self.tables)
+            self._reads = False if pages is None else compiled_step(pages, self.slots, self.runner.pool.head_dim)
+        return self._reads or None
 
     def joint_select(self, layer_idx: int, query, positions, length: int, contexts: dict) -> torch.Tensor | None:
         """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows whose
@@ -231,8 +228,8 @@ class ModelRunner:
             if piece.final:
                 keep.append(len(ids) - 1)
         sessions = [r.session for r in requests]
-        with plain_tensors():  # one switch of mode for every request's begin_step
-            slots = torch.stack([s.begin_step(p) for s, p in zip(sessions, positions)], dim=1) if sessions else None  # [L, R, H]
+        with plain_tensors():  # one switch of mode for every request's step
+            slots = Session.begin_steps(sessions, positions[: len(sessions)]) if sessions else None  # [L, R, H]
         step = _Step(self, sessions, slots, pieces)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.decoder(as_tensor(ids), as_tensor(positions), step.attend, as_tensor(keep),

@@ -35,7 +35,7 @@ import torch
 
 from ..kernels import NOTHING, cpu_kernels
 from ..store.slots import ENTRY_MASK, TIER_SHIFT
-from ..store.view import DeltaKVBlocks, KiviBlocks
+from ..store.view import DeltaKVBlocks, KiviBlocks, Pages
 from .tables import KIVI_FIELDS, kernel_log_weights, stacked, stacked_log_weights
 
 
@@ -72,6 +72,17 @@ def compiled_arguments(tables: list[torch.Tensor], lengths: torch.Tensor, log_we
     spec = [] if coded is None else [coded.tier, coded.codec.bits, coded.codec.block_size, coded.codec.channel_group(head_dim)]
     arrays = [] if coded is None else [coded.arrays[name] for name in KIVI_FIELDS]
     return tables, lengths.to(torch.long).contiguous(), kernel_log_weights(log_weights, len(tables)), TIER_SHIFT, spec, arrays
+
+
+def compiled_step(pages: Pages, slots: torch.Tensor, head_dim: int):
+    """A decoding step's reads in place, every layer's, as the compiled layers take them (``csrc/paged_decode.cpp``'s
+    ``PagedStep``): ``pages`` of every layer (``SlotTable.step_pages``), ``slots`` [L, R, H] where the step's new entries
+    go; None where they hold entries the compiled read does not take (DeltaKV's)."""
+    keys, values, coded = pages.arrays()
+    if isinstance(coded, DeltaKVBlocks):
+        return None
+    tables, *rest = compiled_arguments(pages.tables, pages.lengths, pages.log_weights, coded, head_dim)
+    return cpu_kernels().PagedStep(keys, values, slots, tables, *rest)
 
 
 def _deltakv_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[torch.Tensor], lengths: torch.Tensor,

@@ -35,7 +35,7 @@ import torch
 from .. import hugepages
 from ..kernels import NOTHING, cpu_kernels
 from .codecs import Codec, PlainCodec, field_bytes
-from .view import PAD_POSITION, UNCHANGED, DeltaKVBlocks, Edit, Entries, KiviBlocks, KVView, Pages
+from .view import PAD_POSITION, UNCHANGED, Edit, Entries, KVView, Pages
 
 PAD_SLOT = 0
 TIER_SHIFT = 27  # entry ids are int32: tiers 1..15 of coded blocks above 2^27 plain slots
@@ -508,34 +508,42 @@ class SlotTable:
         slots, weights = [v[1] for v in views], [v[2] for v in views]
 
         def pages() -> Pages | None:
-            if not isinstance(pool.codec, PlainCodec):
-                return None
-            readers = [reader for tier, store in enumerate(pool.tiers, 1)
-                       if (reader := getattr(store.codec, "in_place", lambda *_: None)(pool, tier)) is not None]
-            every_tier = set(range(1, len(pool.tiers) + 1))
-            if not pool.tiers:
-                blocks = None
-            elif len(readers) == 1 and readers[0][0] == every_tier:  # one reader for every tier: any row may name any
-                blocks = readers[0][1]
-            else:
-                named = set().union(*(torch.unique(s[:, : int(n.max())] >> TIER_SHIFT).tolist() for s, n in zip(slots, lengths))) - {0}
-                fitting = [make for covered, make in readers if named <= covered]
-                if named and not fitting:
-                    return None  # coded entries of tiers no in-place read covers together
-                blocks = fitting[0] if named else None
-
-            def arrays() -> tuple[torch.Tensor, torch.Tensor, KiviBlocks | DeltaKVBlocks | None]:
-                return pool.arrays["keys"], pool.arrays["values"], None if blocks is None else blocks()
-
-            return Pages(arrays, slots, lengths, weights)
+            blocks = SlotTable._in_place_blocks(pool, slots, lambda: lengths.amax(-1).tolist())
+            return None if blocks is False else Pages(_pool_arrays(pool, blocks), slots, lengths, weights)
 
         return pages
 
     @staticmethod
-    def joint_pages(pool: SlotPool, tables: list[SlotTable], row: int, lengths: torch.Tensor | None = None) -> Pages | None:
-        """Row ``row`` of each table where its entries live (what ``joint_view(...).pages`` makes, without the view); None
-        where they cannot all be read in place. ``lengths``: as ``joint_view`` takes them."""
-        return SlotTable._pages(pool, *SlotTable._joint_rows(tables, row, lengths))()
+    def _in_place_blocks(pool: SlotPool, slots: list[torch.Tensor], spans: Callable[[], list[int]]):
+        """What an in-place read of tables ``slots`` (per row, [..., H, L]: the entries of each row's heads lie in its first
+        ``spans()[row]`` columns) takes for their coded entries: a function making the blocks of the one reader that covers
+        every tier they name, None where every entry is plain, False where no reader covers them all (or the pool's plain
+        entries are not stored as they are read)."""
+        if not isinstance(pool.codec, PlainCodec):
+            return False
+        if not pool.tiers:
+            return None
+        readers = [reader for tier, store in enumerate(pool.tiers, 1)
+                   if (reader := getattr(store.codec, "in_place", lambda *_: None)(pool, tier)) is not None]
+        if len(readers) == 1 and readers[0][0] == set(range(1, len(pool.tiers) + 1)):  # one reader for every tier: any row may name any
+            return readers[0][1]
+        named = set().union(*(torch.unique(s[..., :span] >> TIER_SHIFT).tolist() for s, span in zip(slots, spans()))) - {0}
+        fitting = [make for covered, make in readers if named <= covered]
+        if named and not fitting:
+            return False  # coded entries of tiers no in-place read covers together
+        return fitting[0] if named else None
+
+    @staticmethod
+    def step_pages(pool: SlotPool, tables: list[SlotTable]) -> Pages | None:
+        """Every row of each table where its entries live, for the reads of a decoding step's layers (row l of each table:
+        layer l): per table its slots [L, H, capacity] and log-weights (or None), the lengths [L, len(tables), H]; None where
+        they cannot all be read in place."""
+        slots = [table.slots for table in tables]
+        lengths = torch.stack([table.lengths for table in tables], 1)
+        blocks = SlotTable._in_place_blocks(pool, slots, lambda: lengths.amax((0, 2)).tolist())
+        if blocks is False:
+            return None
+        return Pages(_pool_arrays(pool, blocks), slots, lengths, [table.log_weight_column() for table in tables])
 
     @staticmethod
     def _joint_rows(tables: list[SlotTable], row: int, lengths: torch.Tensor | None) -> tuple[list, torch.Tensor]:
@@ -640,6 +648,26 @@ class SlotTable:
             first = range(self.num_rows)[rows].start
             self._pages_due = {first + i for i, heads in enumerate(counts)
                                if max(heads) >= room or any((n + 1) % self.page_size == 0 for n in heads)}
+
+    @staticmethod
+    @_plain_tensors
+    def append_step(pool: SlotPool, tables: list[SlotTable], slots: torch.Tensor, positions: list[int]) -> None:
+        """A decoding step's ``append_slots`` for the tables of many requests at once: table t records the slots [L, H]
+        ``slots[t]`` (int64 [T, L, H], one row a layer) at position ``positions[t]``. On the CPU one compiled pass records
+        them in every table with room and no page bounds to follow (``csrc/append_step.cpp``); each other table takes
+        ``append_slots``."""
+        kernel = cpu_kernels() if slots.device.type == "cpu" else None
+        done = [False] * len(tables)
+        if kernel is not None:
+            done = kernel.append_step([t.ids for t in tables], [t.lengths for t in tables],
+                                      [NOTHING if t.weights is None else t.weights for t in tables], slots.contiguous(), positions,
+                                      [not t.page_size and t.lengths.is_contiguous() for t in tables])
+        for table, recorded, table_slots, position in zip(tables, done, slots, positions):
+            if recorded:
+                table._pages_due = None
+            else:
+                at = torch.full((table_slots.shape[0], 1), position, dtype=torch.int32, device=table_slots.device)
+                table.append_slots(pool, table_slots[:, :, None], at)
 
     @_plain_tensors
     def drop_last(self, pool: SlotPool, rows: Rows = None) -> None:
@@ -957,6 +985,11 @@ class RowSummaries:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.parts if s is not None)
+
+
+def _pool_arrays(pool: SlotPool, blocks: Callable | None) -> Callable[[], tuple]:
+    """``Pages.arrays``: the pool's plain keys and values as they are when read, and the coded blocks ``blocks`` makes (or None)."""
+    return lambda: (pool.arrays["keys"], pool.arrays["values"], None if blocks is None else blocks())
 
 
 def _row_spans(sizes: list[int], heads: int) -> list[int]:

@@ -70,7 +70,8 @@ class Pages:
     entry ids [H, ≥ L] (a view of the store's own table: nothing concatenated or copied; 0 = padding or a
     hole, skipped) and ``log_weights`` its float32 log-weights [H, ≥ L] (None: none). ``lengths`` int64
     [B, H]: the columns of each head to read. Only for entries at or before every query that reads
-    them through the pages (a decoding step): the pages carry no positions.
+    them through the pages (a decoding step): the pages carry no positions. Every layer of a decoding step at once
+    (``SlotTable.step_pages``): the tables and log-weights [layers, H, ≥ L], the lengths [layers, B, H].
     """
 
     arrays: Callable[[], tuple[torch.Tensor, torch.Tensor, KiviBlocks | DeltaKVBlocks | None]]
