@@ -230,17 +230,23 @@ def test_a_client_dropped_mid_stream_frees_its_slots(server):
 
 
 def test_a_full_queue_answers_429():
+    """The one request the server may hold is held in the engine (its steps wait) until the next one was answered."""
     srv = Server(max_queued=1)
+    held, step = threading.Event(), srv.llm.step
+    srv.llm.step = lambda: held.wait(60) and step()
     try:
-        slow = threading.Thread(target=lambda: srv.client.completions.create(model=MODEL_NAME, prompt=words(200), max_tokens=60))
-        slow.start()
+        first = threading.Thread(target=lambda: srv.client.completions.create(model=MODEL_NAME, prompt=words(200), max_tokens=60))
+        first.start()
         deadline = time.time() + 20
         while srv.app.state.engine["loop"]._pending == 0 and time.time() < deadline:
             time.sleep(0.02)
         response = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "w1", "max_tokens": 2})
         assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
-        slow.join(timeout=120)
+        held.set()
+        first.join(timeout=120)
+        assert not first.is_alive()
     finally:
+        held.set()
         srv.stop()
 
 
