@@ -9,6 +9,10 @@
 // log-sum-exp. Out: the attention output [R, Hq, d] and the log partition function [R, Hq] (float32,
 // -inf where a head has no entry).
 //
+// A decoding step's reads of every layer (`PagedStep`, kernels.h; read/paged.py's `compiled_step`) take the same path:
+// each row's tables of every layer [layers, H, L] and the lengths [layers, R, H] are checked and laid out as views once a
+// step, and each layer's read (the engine's compiled layer, decode_layer.cpp) takes its layer's views.
+//
 // Plain keys' logits are computed sixteen keys at a time where the CPU has AVX-512 or AVX2 (dots16); a bfloat16 query over
 // bfloat16 keys, where it also has AVX512-BF16, takes them from the bfloat16 values with VDPBF16PS (dots16_bf16: each
 // product exact in float32), with no conversion of the keys per query.
