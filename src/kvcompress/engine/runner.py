@@ -55,7 +55,7 @@ class _Step:
         self.following = [s for s in sessions if s.follows_writes]  # sessions with work after each layer's write
         self.tables = [s.table for s in sessions]
         fixed = sessions and not self.acting and not self.following  # no table changes but the writes begin_step recorded
-        self.lengths = SlotTable.step_lengths(self.tables) if fixed else None  # every layer's lengths, read once
+        self.lengths = SlotTable.step_lengths(self.tables) if fixed else None  # every layer's lengths [L, R, H], read once
         # a step of decoding rows alone, no method acting in its layers: ``in_place`` for the compiled layers
         self.reads_in_place = bool(sessions) and not self.acting and not pieces and slots.device.type == "cpu"
         self._reads = None  # ``in_place``'s reads of every layer once made (False: none can be), until ``attend`` runs a layer
@@ -130,7 +130,7 @@ class _Step:
         if layer_idx in self.summarized or (self.following and any(s.work_after_write(layer_idx) for s in self.following)):
             return None
         if self._reads is None:
-            pages = SlotTable.step_pages(self.runner.pool, self.tables)
+            pages = SlotTable.step_pages(self.runner.pool, self.tables, self.lengths)
             self._reads = False if pages is None else compiled_step(pages, self.slots, self.runner.pool.head_dim)
         return self._reads or None
 

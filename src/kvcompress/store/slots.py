@@ -534,12 +534,12 @@ class SlotTable:
         return fitting[0] if named else None
 
     @staticmethod
-    def step_pages(pool: SlotPool, tables: list[SlotTable]) -> Pages | None:
+    def step_pages(pool: SlotPool, tables: list[SlotTable], lengths: torch.Tensor | None = None) -> Pages | None:
         """Every row of each table where its entries live, for the reads of a decoding step's layers (row l of each table:
-        layer l): per table its slots [L, H, capacity] and log-weights (or None), the lengths [L, len(tables), H]; None where
-        they cannot all be read in place."""
+        layer l): per table its slots [L, H, capacity] and log-weights (or None), the lengths [L, len(tables), H]
+        (``step_lengths``, or ``lengths`` where the caller read them already); None where they cannot all be read in place."""
         slots = [table.slots for table in tables]
-        lengths = torch.stack([table.lengths for table in tables], 1)
+        lengths = SlotTable.step_lengths(tables) if lengths is None else lengths
         blocks = SlotTable._in_place_blocks(pool, slots, lambda: lengths.amax((0, 2)).tolist())
         if blocks is False:
             return None
@@ -553,10 +553,10 @@ class SlotTable:
         return views, torch.stack([v[0] for v in views]) if lengths is None else lengths
 
     @staticmethod
-    def step_lengths(tables: list[SlotTable]) -> tuple[torch.Tensor, ...]:
-        """Every row's lengths of tables with the same rows, side by side: per row r, [len(tables), H] (what
+    def step_lengths(tables: list[SlotTable]) -> torch.Tensor:
+        """Every row's lengths of tables with the same rows, side by side: [rows, len(tables), H] (row r: what
         ``joint_view`` takes for one layer of a decoding step whose tables do not change, read at once)."""
-        return torch.stack([table.lengths for table in tables], 1).unbind(0)
+        return torch.stack([table.lengths for table in tables], 1)
 
     @staticmethod
     def joint_view(pool: SlotPool, tables: list[SlotTable], row: int, summaries: list, lengths: torch.Tensor | None = None) -> KVView:
