@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from kvcompress.kernels import cpu_kernels
 from kvcompress.read import attend_reference, chunk_attention, group_queries, merge_lse, read
 from kvcompress.store.slots import SlotTable, SlotPool
 from kvcompress.store.view import KVView
@@ -235,14 +236,14 @@ def test_selection_reads_exactly_the_selected_entries(seed, heads, group, log_we
 
 @settings(max_examples=30, deadline=None)
 @given(held=st.integers(0, 40), chunk=st.integers(1, 30), heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16),
+       dim=st.sampled_from([8, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16),
        device=st.sampled_from(["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]))
-def test_chunk_attention_equals_the_reference_over_the_prompt_so_far(held, chunk, heads, group, dtype, seed, device):
-    """A prompt chunk after its held entries (the chunked prefill): on the CPU two flash calls merged by their
-    log-sum-exp, on a GPU one SDPA call with the causal mask aligned to the last key, equal the float32 reference over
-    the held entries and, causally, the chunk."""
+def test_chunk_attention_equals_the_reference_over_the_prompt_so_far(held, chunk, heads, group, dim, dtype, seed, device):
+    """A prompt chunk after its held entries (the chunked prefill): on the CPU the compiled causal attention (heads of
+    64 channels, where it runs) or two flash calls merged by their log-sum-exp, on a GPU one SDPA call with the causal
+    mask aligned to the last key, equal the float32 reference over the held entries and, causally, the chunk."""
     g = torch.Generator().manual_seed(seed)
-    dim, total = 8, held + chunk
+    total = held + chunk
     keys, values = torch.randn(1, heads, total, dim, generator=g), torch.randn(1, heads, total, dim, generator=g)
     query = torch.randn(1, heads * group, chunk, dim, generator=g) * 2
     positions = torch.arange(total).expand(1, heads, total)
@@ -253,3 +254,71 @@ def test_chunk_attention_equals_the_reference_over_the_prompt_so_far(held, chunk
     out = chunk_attention(*cast, dim**-0.5).cpu()
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+CAUSAL = cpu_kernels() is not None and cpu_kernels().causal_attention_available()
+
+
+@pytest.mark.skipif(not CAUSAL, reason="the compiled causal attention needs the CPU kernels and AVX-512")
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3]), queries=st.integers(1, 40),
+       before=st.integers(0, 150), dim=st.sampled_from([64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       scale=st.sampled_from([0.05, 1.0, 4.0]), seed=st.integers(0, 2**16))
+def test_compiled_causal_attention_equals_float64_attention(batch, heads, group, queries, before, dim, dtype, scale, seed):
+    """``causal_attention``: query t of c sees keys 0 … L − c + t (the causal mask aligned to the last key), query head
+    h·G + g reads KV head h; against float64 softmax attention over the same (rounded) numbers, within float32's
+    rounding (blocks of 16 queries and 64 keys, partial ones at both ends, logits large enough to saturate)."""
+    g = torch.Generator().manual_seed(seed)
+    length = before + queries
+    query = (torch.randn(batch, heads * group, queries, dim, generator=g) * scale).to(dtype)
+    keys, values = (torch.randn(batch, heads, length, dim, generator=g).to(dtype) for _ in range(2))
+    out = cpu_kernels().causal_attention(query, keys, values, dim**-0.5)
+    visible = torch.arange(length)[None, :] <= before + torch.arange(queries)[:, None]  # [c, L]
+    logits = (query.double() @ repeat_kv(keys.double(), group).transpose(-1, -2)) * dim**-0.5
+    weights = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    expected = weights @ repeat_kv(values.double(), group)
+    assert out.shape == query.shape and out.dtype == dtype
+    # float32 sums: a relative error ~1e-6 in each weight (its logit's and exp's rounding) and in the weighted sum of the
+    # values, bounded by their weighted magnitudes; in bfloat16 one more rounding of the output
+    scale_of_sum = weights @ repeat_kv(values.double().abs(), group)
+    bound = (2e-5 + (torch.finfo(dtype).eps if dtype == torch.bfloat16 else 0.0)) * scale_of_sum
+    assert bool(((out.double() - expected).abs() <= bound).all())
+
+
+@pytest.mark.skipif(not CAUSAL, reason="the compiled causal attention needs the CPU kernels and AVX-512")
+def test_compiled_causal_attention_refuses_what_it_cannot_read():
+    kernels, q = cpu_kernels(), torch.randn(1, 2, 4, 64)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernels.causal_attention(torch.randn(1, 2, 4, 32), torch.randn(1, 1, 4, 32), torch.randn(1, 1, 4, 32), 1.0)
+    with pytest.raises(RuntimeError, match="at least as many keys"):
+        kernels.causal_attention(q, torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64), 1.0)
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        kernels.causal_attention(q, torch.randn(1, 1, 4, 64).bfloat16(), torch.randn(1, 1, 4, 64), 1.0)
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        kernels.causal_attention(torch.randn(1, 3, 4, 64), torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64), 1.0)
+
+
+@pytest.mark.skipif(not CAUSAL, reason="the compiled causal attention needs the CPU kernels and AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_attention_runs_compiled_and_equals_torchs_sdpa(monkeypatch, dtype):
+    """``prompt_attention`` without a mask takes the compiled kernel on the CPU (and SDPA where autograd records it): the
+    same output as torch's causal SDPA to float32 rounding (bfloat16: the two round their sums differently)."""
+    import kvcompress.read.sdpa as sdpa
+
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 6, 50, 64, generator=g).to(dtype)
+    key, value = (torch.randn(1, 2, 50, 64, generator=g).to(dtype) for _ in range(2))
+    calls = []
+    real = cpu_kernels()
+    monkeypatch.setattr(sdpa, "cpu_kernels", lambda: type("Spy", (), {
+        "causal_attention_available": lambda self: True,
+        "causal_attention": lambda self, *a: calls.append(a[0].shape) or real.causal_attention(*a)})())
+    out, _ = sdpa.prompt_attention(query, key, value, 0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), is_causal=True,
+                                                                enable_gqa=True, scale=0.125)
+    assert calls == [query.shape]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    with torch.enable_grad():
+        sdpa.prompt_attention(query.float().requires_grad_(), key.float(), value.float(), 0.125)
+    assert calls == [query.shape]

@@ -17,7 +17,8 @@ PyTorch path beside its caller, the reference it is tested against and what runs
 * ``linear_rows.cpp``: a float32 or bfloat16 linear product over a decoding step's few rows (``engine/packed.py``);
 * ``replay_chunk.cpp``: KVzip's replay chunk over held entries in bfloat16 (``read/sdpa.py``);
 * ``decode_layer.cpp``: a decoding step's whole decoder layer in one call, of the functions above (``engine/decoder.py``);
-* ``greedy_rows.cpp``: each row's greedy token and whether it holds a NaN, from a step's logits (``engine/sampling.py``).
+* ``greedy_rows.cpp``: each row's greedy token and whether it holds a NaN, from a step's logits (``engine/sampling.py``);
+* ``prompt_attention.cpp``: a prompt's (or a prompt chunk's) causal attention in float32 sums (``read/sdpa.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "paged_decode.cpp", "summary_merge.cpp", "select_tables.cpp",
                                                               "top_pages.cpp", "omnikv_tokens.cpp", "merge_pairs.cpp", "compact_tables.cpp",
                                                               "deltakv_rebuild.cpp", "decoder_ops.cpp", "linear_rows.cpp", "replay_chunk.cpp",
-                                                              "decode_layer.cpp", "append_step.cpp", "greedy_rows.cpp")]
+                                                              "decode_layer.cpp", "append_step.cpp", "greedy_rows.cpp", "prompt_attention.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 NOTHING = torch.empty(0)  # the kernels' "none" for a tensor argument
 _built: object | None = None

@@ -23,5 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("replay_chunk_available", &replay_chunk_available, "Whether replay_chunk runs on this CPU (AVX512-BF16)");
   m.def("replay_chunk", &replay_chunk, "KVzip's replay chunk over held and its own bfloat16 entries: output and each held entry's largest log-weight (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU of the gate times the up product (CPU)");
+  m.def("causal_attention_available", &causal_attention_available, "Whether causal_attention runs on this CPU (AVX-512)");
+  m.def("causal_attention", &causal_attention, "A prompt's causal attention (the queries the last keys'), float32 sums (CPU)");
   bind_decode_layer(m);
 }

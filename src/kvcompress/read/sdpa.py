@@ -15,9 +15,11 @@
   memory); elsewhere ``chunk_attention``'s two flash calls and, for the weights, the largest
   q · k · scaling less the query's log-sum-exp from a float32 product (``held_max_weights``). Held
   entries with holes are read in masked blocks.
-* ``chunk_attention``: a chunk of a prompt after its held entries (the engine's chunked prefill): two flash
-  calls without a mask (the held entries, the chunk's causal square) merged by their log-sum-exp.
-* ``prompt_attention``: the prefill's causal attention over the prompt; with column sums
+* ``chunk_attention``: a chunk of a prompt after its held entries (the engine's chunked prefill): on the CPU the
+  compiled causal attention (``csrc/prompt_attention.cpp``) over the held entries and the chunk's, where it runs;
+  else two flash calls without a mask (the held entries, the chunk's causal square) merged by their log-sum-exp.
+* ``prompt_attention``: the prefill's causal attention over the prompt (on the CPU the compiled causal attention where
+  it runs, else torch's SDPA); with column sums
   (H2O's score: each entry's total attention from every prompt query) one chunked pass
   computes the weights once for the output and the sums — never the n × n weights at once.
 """
@@ -206,7 +208,8 @@ def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                     new_values: torch.Tensor, scaling: float) -> torch.Tensor:
     """A prompt chunk's causal attention after held entries that are all real and all before it (a chunked
     prefill): queries [B, Hq, c, d] over the held keys/values [B, H, L, d] and, causally, the chunk's own
-    [B, H, c, d] → [B, Hq, c, d] in the query's dtype. On the CPU, two flash calls without a mask — the held
+    [B, H, c, d] → [B, Hq, c, d] in the query's dtype. On the CPU, the compiled causal attention over the held and
+    the chunk's entries where it runs (``_causal_kernel``), else two flash calls without a mask — the held
     entries with the GQA group folded into the query axis, the chunk over itself as the causal square — merged by
     their log-sum-exp; on a GPU, one SDPA call with the causal mask aligned to the last key (PyTorch's
     ``causal_lower_right``, which its fused kernels apply without making a [c, L + c] matrix)."""
@@ -217,11 +220,28 @@ def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         every_key, every_value = (repeat_kv(torch.cat([held, new], dim=2), groups).to(query.dtype) for held, new in
                                   ((keys, new_keys), (values, new_values)))
         return F.scaled_dot_product_attention(query, every_key, every_value, attn_mask=causal_lower_right(c, length + c), scale=scaling)
+    kernel = _causal_kernel(query, keys, values, new_keys, new_values)
+    if kernel is not None:
+        every_key, every_value = (torch.cat([held.to(query.dtype), new.to(query.dtype)], dim=2) for held, new in
+                                  ((keys, new_keys), (values, new_values)))
+        return kernel.causal_attention(query, every_key, every_value, scaling)
     if _CPU_FLASH is None:
         positions = torch.arange(length + c, device=query.device).expand(b, heads, length + c)
         whole = KVView.of(torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2), positions)
         return read_masked(query, positions[:, 0, length:], whole, scaling)[0]
     return _flash_after_held(query, keys, values, new_keys, new_values, scaling)[0]
+
+
+def _causal_kernel(query: torch.Tensor, *entries: torch.Tensor):
+    """The CPU kernels where their causal attention (``csrc/prompt_attention.cpp``: float32 sums, ~2.5× torch's CPU flash
+    kernel at a 2000-token prompt) takes ``query`` [B, Hq, c, d]: on the CPU, float32 or bfloat16, d a multiple of 64,
+    with no gradient to record through it or ``entries``; else None."""
+    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16) or query.shape[-1] % 64:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, *entries)):
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.causal_attention_available() else None
 
 
 def _flash_after_held(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor,
@@ -256,6 +276,9 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if col_sums:
         return prompt_attention_with_sums(query, key, value, scaling, mask, token_valid)
     groups = query.shape[1] // key.shape[1]
+    kernel = _causal_kernel(query, key, value) if mask is None and query.shape[2] > 1 else None
+    if kernel is not None and key.dtype == value.dtype == query.dtype:
+        return kernel.causal_attention(query, key, value, scaling), None
     if mask is None:
         return F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=groups > 1), None
     return F.scaled_dot_product_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling), None
