@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcompress import hugepages
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.kernels import cpu_kernels
 from kvcompress.store.slots import LENGTH_BYTES, PAD_POSITION, PAD_SLOT, TIER_SHIFT, SlotTable, PoolExhausted, SlotPool, compact_rows_torch
@@ -474,3 +475,26 @@ def test_a_steps_record_refuses_a_bad_slot_before_writing_any_table():
         SlotTable.append_step(pool, tables, bad, [3, 3])
     assert all(torch.equal(table.ids, ids) for table, ids in zip(tables, before))
     assert all(int(table.lengths.sum()) == 6 for table in tables)
+
+
+@pytest.mark.skipif(not hugepages.advises(), reason="a fixed pool maps its whole budget only where huge pages can be advised")
+def test_a_fixed_cpu_pool_grows_within_one_mapping_and_trims_its_pages():
+    """A fixed CPU pool's arrays are the first slots of one mapping as large as its budget: growing moves nothing (the
+    arrays keep their address and every held entry), the bytes counted are the slots the arrays hold, and trimming
+    returns to the first size, the pages past it given back (they read as zeros)."""
+    dim = 256  # a slot's key: 1 KiB, so the budget spans several 2 MiB pages
+    pool = SlotPool(dim, capacity=8192, initial=16)
+    address = {name: array.data_ptr() for name, array in pool.arrays.items()}
+    first = pool.allocate(10)
+    pool.write(first, torch.ones(10, dim), torch.full((10, dim), 2.0))
+    more = pool.allocate(5000)  # past the first size: the arrays grow
+    pool.write(more, torch.full((5000, dim), 3.0), torch.full((5000, dim), 4.0))
+    assert pool.refs.shape[0] > 5010 and all(pool.arrays[name].data_ptr() == address[name] for name in address)
+    assert pool.allocated_bytes == (pool.refs.shape[0] - 1) * pool.bytes_per_slot
+    keys, values = pool.gather(first)
+    assert bool((keys == 1).all()) and bool((values == 2).all())
+    pool.release(torch.cat([first, more]))
+    pool.trim()
+    assert pool.allocated_bytes == 16 * pool.bytes_per_slot and pool.arrays["keys"].shape[0] == 17
+    whole = pool._reserved["keys"]
+    assert whole.data_ptr() == address["keys"] and int(whole[4096:].count_nonzero()) == 0  # given back: zeros again
