@@ -16,7 +16,6 @@ tensor is PyTorch's own: the same numbers either way, only their pages differ.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
@@ -50,19 +49,6 @@ def zeros(*shape: int, dtype: torch.dtype, device: str | torch.device = "cpu") -
     return whole[start : start + nbytes].view(dtype).view(shape)
 
 
-def release(tensor: torch.Tensor, start: int) -> None:
-    """Give the memory of a ``zeros`` tensor's whole pages from element ``start`` (of its flat view) to its end back to
-    the system (``MADV_DONTNEED``: they read as zeros when next touched); nothing where the tensor is not ``zeros``'
-    mapping (not on the CPU, under 2 MiB, or where the platform cannot advise)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or nbytes < HUGE_PAGE or not advises() or tensor.data_ptr() % HUGE_PAGE:
-        return
-    begin = tensor.data_ptr() + -(-start * tensor.element_size() // HUGE_PAGE) * HUGE_PAGE
-    end = tensor.data_ptr() + nbytes // HUGE_PAGE * HUGE_PAGE
-    if end > begin:
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_DONTNEED)
-
-
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a CPU tensor in ``zeros``' memory; the tensor itself where it is under 2 MiB, not on the CPU, or already
     starts on a 2 MiB boundary (moved here before, or PyTorch's own allocation under ``THP_MEM_ALLOC_ENABLE``: its
@@ -83,4 +69,4 @@ def move_parameters(module: nn.Module) -> None:
             parameter.data = on_huge_pages(parameter.data)
 
 
-__all__ = ["HUGE_PAGE", "advises", "move_parameters", "on_huge_pages", "release", "zeros"]
+__all__ = ["HUGE_PAGE", "advises", "move_parameters", "on_huge_pages", "zeros"]

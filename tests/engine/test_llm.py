@@ -202,7 +202,7 @@ def test_coded_requests_fit_more_in_the_same_budget_and_never_exceed_it():
     assert kivi.stats()["max_concurrent"] >= 3 and kivi.stats()["preemptions"] == 0
     assert max(held) > full.stats()["pool_peak_bytes"] / 2  # the coded requests filled the same budget
     assert kivi.stats()["pool_peak_bytes"] <= kivi.pool.capacity_bytes == full.pool.capacity_bytes
-    assert kivi.pool.allocated_bytes < kivi.stats()["pool_allocated_bytes"]  # idle: the arrays gave their memory back
+    assert kivi.pool.allocated_bytes < kivi.stats()["pool_allocated_bytes"]  # idle: the coded tiers gave their memory back
     assert all(o.token_ids == reference(model, p, 8, kvc.get_method("kivi", bits=2, group_size=16, residual=8))
                for p, o in zip(prompts, outs))
 

@@ -118,11 +118,8 @@ class SlotPool:
 
     def _empty_arrays(self, slots: int) -> None:
         size = slots + 1
-        if self._reserves():  # the arrays: the first ``size`` slots of the budget's mapping, what lay past them given back
-            if self._reserved is None:
-                self._reserved = {name: hugepages.zeros(self.limit + 1, *shape, dtype=dt) for name, (shape, dt) in self._fields.items()}
-            for array in self._reserved.values():
-                hugepages.release(array.view(-1), size * array[0].numel())
+        if self._reserves():  # the arrays: the first ``size`` slots of the budget's mapping
+            self._reserved = {name: hugepages.zeros(self.limit + 1, *shape, dtype=dt) for name, (shape, dt) in self._fields.items()}
             self.arrays = {name: array[:size] for name, array in self._reserved.items()}
         else:  # on the CPU on 2 MiB pages: a decoding step reads held entries at scattered slots, one TLB miss a 4 KiB page otherwise
             self.arrays = {name: hugepages.zeros(size, *shape, dtype=dt, device=self.device) for name, (shape, dt) in self._fields.items()}
@@ -132,11 +129,13 @@ class SlotPool:
 
     @_plain_tensors
     def trim(self) -> None:
-        """When nothing is held, give the arrays' memory back: the pool and its tiers return to their first size
-        (the engine, idle: plain slots and coded blocks grow again with the next load)."""
+        """When nothing is held, give the arrays' memory back: the tiers, and a pool not in one mapping, return to their
+        first size (the engine, idle: they grow again with the next load). A pool in one mapping (``_reserves``) keeps
+        the slots its loads touched, as vLLM's cache keeps its memory: given back, the next load faulted every page in
+        again (~1 s of a 14 s load of 16,000 tokens into a 1 GiB pool on a 2-core Zen 5)."""
         if self.used_bytes == 0:
             for store in (self, *self.tiers):
-                if store._arena != store._initial:  # already at its first size: nothing to give back
+                if store._arena != store._initial and store._reserved is None:  # at its first size: nothing to give back
                     store._empty_arrays(store._initial)
 
     # ----- sizes ---------------------------------------------------------------------------
@@ -153,8 +152,8 @@ class SlotPool:
     def _reserves(self) -> bool:
         """Whether the arrays are the first slots of one mapping the size of the budget, made at once: a fixed pool on a
         CPU that advises huge pages, whose untouched pages take no memory (``hugepages.zeros``). Growing then moves
-        nothing (copying the arrays at each growth took ~1.1 s of a 16,000-token load into an idle 1 GiB pool), and
-        trimming gives the pages past the first slots back (``hugepages.release``)."""
+        nothing (copying the arrays at each growth took ~1.1 s of a 16,000-token load into an idle 1 GiB pool); the
+        pages its loads touched stay (``trim``)."""
         return self.limit is not None and self.device.type == "cpu" and hugepages.advises()
 
     @property
