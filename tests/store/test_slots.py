@@ -504,3 +504,22 @@ def test_a_fixed_cpu_pool_grows_within_one_mapping_and_keeps_it_when_idle():
     growable.release(growable.allocate(100))
     growable.trim()
     assert growable.allocated_bytes == 16 * growable.bytes_per_slot
+
+
+def test_a_fixed_pool_the_system_will_not_map_whole_grows_as_before(monkeypatch):
+    """Where the budget's mapping is refused (a system that will not overcommit that much), the pool's arrays grow
+    from their first size, copying what they hold, with the same entries and bytes counted."""
+    import kvcompress.store.slots as slots
+
+    real = slots.hugepages.zeros
+    monkeypatch.setattr(slots.hugepages, "advises", lambda: True)
+    monkeypatch.setattr(slots.hugepages, "zeros", lambda *shape, **kw: (_ for _ in ()).throw(OSError("no memory"))
+                        if shape[0] == 4097 else real(*shape, **kw))
+    pool = SlotPool(DIM, capacity=4096, initial=8)
+    assert pool._reserved is None and pool.arrays["keys"].shape[0] == 9
+    held = pool.allocate(6)
+    pool.write(held, torch.ones(6, DIM), torch.full((6, DIM), 2.0))
+    pool.allocate(100)  # grows, copying
+    assert pool.arrays["keys"].shape[0] == pool.refs.shape[0] > 106
+    keys, values = pool.gather(held)
+    assert bool((keys == 1).all()) and bool((values == 2).all())

@@ -119,9 +119,13 @@ class SlotPool:
     def _empty_arrays(self, slots: int) -> None:
         size = slots + 1
         if self._reserves():  # the arrays: the first ``size`` slots of the budget's mapping
-            self._reserved = {name: hugepages.zeros(self.limit + 1, *shape, dtype=dt) for name, (shape, dt) in self._fields.items()}
-            self.arrays = {name: array[:size] for name, array in self._reserved.items()}
-        else:  # on the CPU on 2 MiB pages: a decoding step reads held entries at scattered slots, one TLB miss a 4 KiB page otherwise
+            try:
+                self._reserved = {name: hugepages.zeros(self.limit + 1, *shape, dtype=dt) for name, (shape, dt) in self._fields.items()}
+                self.arrays = {name: array[:size] for name, array in self._reserved.items()}
+            except (OSError, RuntimeError):  # the system would not map the whole budget at once: the arrays grow as before
+                self._reserved = None
+        if self._reserved is None:
+            # on the CPU on 2 MiB pages: a decoding step reads held entries at scattered slots, one TLB miss a 4 KiB page otherwise
             self.arrays = {name: hugepages.zeros(size, *shape, dtype=dt, device=self.device) for name, (shape, dt) in self._fields.items()}
         self.refs = torch.zeros(size, dtype=torch.int32, device="cpu")
         self._free = torch.arange(size - 1, 0, -1, dtype=torch.long, device="cpu")  # a stack, top at the end: slots 1, 2, ... first
