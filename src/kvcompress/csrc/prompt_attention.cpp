@@ -37,14 +37,10 @@ constexpr int64_t QUERIES = 16;  // queries of a task, each with its group's que
 constexpr int64_t KEYS = 64;     // keys of a block
 constexpr int64_t ROWS = 4;      // rows of a register tile
 
-// A head's keys channel-major a block at a time [padded / KEYS, d, KEYS] (a block's 16 KiB contiguous: rows of a [d, L]
-// layout lie L floats apart, and at 2048 keys all fall in the same few L1 sets) and values [padded, d], float32, zero
-// past the last key (a block's values past it are read, and weighed by 0).
-struct Head {
-  const float *keys, *values;
-};
-
-// Block `block` of a head's keys and values [length, d] into their layouts (`keys`, `values`: the head's).
+// Block `block` of a head's keys and values [length, d] into its layouts: keys channel-major a block at a time
+// [padded / KEYS, d, KEYS] (a block's 16 KiB contiguous: rows of a [d, L] layout lie L floats apart, and at 2048 keys
+// all fall in the same few L1 sets) and values [padded, d], float32, zero past the last key (a block's values past it
+// are read, and weighed by 0).
 template <typename scalar_t>
 void pack_block(const scalar_t* keys, const scalar_t* values, int64_t length, int64_t d, int64_t block, float* keys_out, float* values_out) {
   float* tile = keys_out + block * d * KEYS;
@@ -128,10 +124,11 @@ void block_values(const float* weights, const float* rescale, int64_t count, int
     }
 }
 
-// One task: queries t0 .. t0 + QUERIES (those below c) of every query head of KV head `head`'s group, over `packed`.
+// One task: queries t0 .. t0 + QUERIES (those below c) of every query head of one KV head's group, over that head's keys
+// and values as pack_block lays them out.
 template <typename scalar_t>
-void attend_task(const scalar_t* query, scalar_t* out, const Head& packed, int64_t groups, int64_t c, int64_t length, int64_t d,
-                 int64_t t0, float scaling) {
+void attend_task(const scalar_t* query, scalar_t* out, const float* keys_t, const float* values, int64_t groups, int64_t c,
+                 int64_t length, int64_t d, int64_t t0, float scaling) {
   const int64_t count = groups * QUERIES, visible_before = length - c;
   std::vector<float> rows(count * d, 0.f), acc(count * d, 0.f), logits(count * KEYS), rescale(count);
   std::vector<float> top(count, NEG_INF), total(count, 0.f);
@@ -145,7 +142,7 @@ void attend_task(const scalar_t* query, scalar_t* out, const Head& packed, int64
     }
   const int64_t end = visible_before + std::min(t0 + QUERIES, c);  // keys 0 .. end − 1 are seen by some row
   for (int64_t first = 0; first < end; first += KEYS) {
-    block_logits(rows.data(), count, d, packed.keys, first, logits.data());
+    block_logits(rows.data(), count, d, keys_t, first, logits.data());
     for (int64_t r = 0; r < count; ++r) {
       float* row = logits.data() + r * KEYS;
       const int64_t seen = std::clamp<int64_t>(last[r] - first + 1, 0, KEYS);  // none: the row's last key before the block
@@ -170,7 +167,7 @@ void attend_task(const scalar_t* query, scalar_t* out, const Head& packed, int64
       total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(sum);
       top[r] = next;
     }
-    block_values(logits.data(), rescale.data(), count, d, packed.values, first, acc.data());
+    block_values(logits.data(), rescale.data(), count, d, values, first, acc.data());
   }
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t t = 0; t < QUERIES && t0 + t < c; ++t) {
@@ -196,8 +193,6 @@ void causal_attention_kernel(const at::Tensor& query, const at::Tensor& keys, co
                  values_f.data() + bh * head_floats);
     }
   });
-  std::vector<Head> packed(batch * heads);
-  for (int64_t bh = 0; bh < batch * heads; ++bh) packed[bh] = {keys_t.data() + bh * head_floats, values_f.data() + bh * head_floats};
   const int64_t blocks = (c + QUERIES - 1) / QUERIES, tasks = batch * heads * blocks;
   const float scale = static_cast<float>(scaling);
   // task i: the heaviest first (the last query blocks see the most keys), taken one at a time by whichever thread is free
@@ -205,7 +200,8 @@ void causal_attention_kernel(const at::Tensor& query, const at::Tensor& keys, co
   for (int64_t i = 0; i < tasks; ++i) {
     const int64_t block = blocks - 1 - i / (batch * heads), bh = i % (batch * heads);
     const int64_t offset = bh * groups * c * d;  // KV head bh's group of query heads
-    attend_task(q + offset, o + offset, packed[bh], groups, c, length, d, block * QUERIES, scale);
+    attend_task(q + offset, o + offset, keys_t.data() + bh * head_floats, values_f.data() + bh * head_floats, groups, c, length, d,
+                block * QUERIES, scale);
   }
 }
 #else

@@ -320,13 +320,13 @@ class SlotPool:
             raise PoolExhausted(needed, self._top)
         budget = self.budget
         budget.peak_allocated = max(budget.peak_allocated, budget.allocated_bytes + (size - old) * self.bytes_per_slot)
-        for name, array in self.arrays.items():
-            if self._reserved is not None:  # the next slots of the mapping: nothing moves
-                self.arrays[name] = self._reserved[name][:size]
-                continue
-            grown = hugepages.zeros(size, *array.shape[1:], dtype=array.dtype, device=array.device)
-            grown[:old] = array
-            self.arrays[name] = grown
+        if self._reserved is not None:  # the next slots of the mapping: nothing moves
+            self.arrays = {name: array[:size] for name, array in self._reserved.items()}
+        else:
+            for name, array in self.arrays.items():
+                grown = hugepages.zeros(size, *array.shape[1:], dtype=array.dtype, device=array.device)
+                grown[:old] = array
+                self.arrays[name] = grown
         self.refs = torch.cat([self.refs, torch.zeros(size - old, dtype=torch.int32, device="cpu")])
         free = torch.empty(size, dtype=torch.long, device="cpu")
         added = size - old
