@@ -263,21 +263,29 @@ CAUSAL = cpu_kernels() is not None and cpu_kernels().causal_attention_available(
 @settings(max_examples=40, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3]), queries=st.integers(1, 40),
        before=st.integers(0, 150), dim=st.sampled_from([64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       scale=st.sampled_from([0.05, 1.0, 4.0]), seed=st.integers(0, 2**16))
-def test_compiled_causal_attention_equals_float64_attention(batch, heads, group, queries, before, dim, dtype, scale, seed):
+       scale=st.sampled_from([0.05, 1.0, 4.0]), cuts=st.lists(st.floats(0, 1), max_size=2), token_major=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_compiled_causal_attention_equals_float64_attention(batch, heads, group, queries, before, dim, dtype, scale, cuts, token_major,
+                                                            seed):
     """``causal_attention``: query t of c sees keys 0 … L − c + t (the causal mask aligned to the last key), query head
     h·G + g reads KV head h; against float64 softmax attention over the same (rounded) numbers, within float32's
-    rounding (blocks of 16 queries and 64 keys, partial ones at both ends, logits large enough to saturate)."""
+    rounding (blocks of 16 queries and 64 keys, partial ones at both ends, logits large enough to saturate). The keys and
+    values come in pieces along L (empty ones too), read where they lie: contiguous, or token-major [B, L, H, d] views as
+    a prompt's rows give them; the output is token-major ([B, c, Hq, d] permuted)."""
     g = torch.Generator().manual_seed(seed)
     length = before + queries
     query = (torch.randn(batch, heads * group, queries, dim, generator=g) * scale).to(dtype)
     keys, values = (torch.randn(batch, heads, length, dim, generator=g).to(dtype) for _ in range(2))
-    out = cpu_kernels().causal_attention(query, keys, values, dim**-0.5)
+    if token_major:
+        query, keys, values = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (query, keys, values))
+    bounds = [0, *sorted(int(cut * length) for cut in cuts), length]
+    pieces = [[x[:, :, a:b] for a, b in zip(bounds, bounds[1:])] for x in (keys, values)]
+    out = cpu_kernels().causal_attention(query, *pieces, dim**-0.5)
     visible = torch.arange(length)[None, :] <= before + torch.arange(queries)[:, None]  # [c, L]
     logits = (query.double() @ repeat_kv(keys.double(), group).transpose(-1, -2)) * dim**-0.5
     weights = logits.masked_fill(~visible, float("-inf")).softmax(-1)
     expected = weights @ repeat_kv(values.double(), group)
-    assert out.shape == query.shape and out.dtype == dtype
+    assert out.shape == query.shape and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     # float32 sums: a relative error ~1e-6 in each weight (its logit's and exp's rounding) and in the weighted sum of the
     # values, bounded by their weighted magnitudes; in bfloat16 one more rounding of the output
     scale_of_sum = weights @ repeat_kv(values.double().abs(), group)
@@ -287,15 +295,19 @@ def test_compiled_causal_attention_equals_float64_attention(batch, heads, group,
 
 @pytest.mark.skipif(not CAUSAL, reason="the compiled causal attention needs the CPU kernels and AVX-512")
 def test_compiled_causal_attention_refuses_what_it_cannot_read():
-    kernels, q = cpu_kernels(), torch.randn(1, 2, 4, 64)
+    kernels, q, x = cpu_kernels(), torch.randn(1, 2, 4, 64), torch.randn(1, 1, 4, 64)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        kernels.causal_attention(torch.randn(1, 2, 4, 32), torch.randn(1, 1, 4, 32), torch.randn(1, 1, 4, 32), 1.0)
+        kernels.causal_attention(torch.randn(1, 2, 4, 32), [torch.randn(1, 1, 4, 32)], [torch.randn(1, 1, 4, 32)], 1.0)
     with pytest.raises(RuntimeError, match="at least as many keys"):
-        kernels.causal_attention(q, torch.randn(1, 1, 3, 64), torch.randn(1, 1, 3, 64), 1.0)
+        kernels.causal_attention(q, [x[:, :, :3]], [x[:, :, :3]], 1.0)
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
-        kernels.causal_attention(q, torch.randn(1, 1, 4, 64).bfloat16(), torch.randn(1, 1, 4, 64), 1.0)
+        kernels.causal_attention(q, [x.bfloat16()], [x], 1.0)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):
-        kernels.causal_attention(torch.randn(1, 3, 4, 64), torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64), 1.0)
+        kernels.causal_attention(torch.randn(1, 3, 4, 64), [torch.randn(1, 2, 4, 64)], [torch.randn(1, 2, 4, 64)], 1.0)
+    with pytest.raises(RuntimeError, match="as many pieces"):
+        kernels.causal_attention(q, [x, x], [x], 1.0)
+    with pytest.raises(RuntimeError, match="first piece's heads"):
+        kernels.causal_attention(q, [x, torch.randn(1, 2, 4, 64)], [x, torch.randn(1, 2, 4, 64)], 1.0)
 
 
 @pytest.mark.skipif(not CAUSAL, reason="the compiled causal attention needs the CPU kernels and AVX-512")

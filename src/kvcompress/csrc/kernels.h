@@ -203,7 +203,8 @@ std::tuple<std::vector<int64_t>, std::vector<bool>> greedy_rows(const at::Tensor
 
 // prompt_attention.cpp
 bool causal_attention_available();
-at::Tensor causal_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scaling);
+at::Tensor causal_attention(const at::Tensor& query, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                            double scaling);
 
 std::vector<bool> append_step(const std::vector<at::Tensor>& ids, const std::vector<at::Tensor>& lengths,
                               const std::vector<at::Tensor>& weights, const at::Tensor& slots, const std::vector<int64_t>& positions,

@@ -88,7 +88,7 @@ class _Step:
             else:
                 out = session.prefill_more(layer_idx, *tokens, hidden=own_hidden, final=piece.final)
             outs.append(out[0].transpose(0, 1))
-        return torch.cat(outs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # one piece: its output as it is (token-major from the CPU kernel)
 
     def decode_layer(self, layer_idx: int, query, key, value, positions, scaling, hidden: torch.Tensor) -> torch.Tensor:
         """One layer of the decoding rows: each request's entries written where ``Session.begin_step`` recorded them
