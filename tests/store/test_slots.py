@@ -335,6 +335,26 @@ def test_append_writes_only_the_new_entries():
     assert changed == table.slots[0, :, 10].tolist()  # only the two new slots were written
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), heads=st.integers(2, 3), tokens=st.integers(2, 12), seed=st.integers(0, 2**16))
+def test_a_prompts_rows_append_as_their_copy_does(rows, heads, tokens, seed):
+    """Entries that come as a prompt's rows (keys [r, H, q, d] a view of [r, q, H, d], as the engine's forward gives them)
+    are written in that order with no copy first: the same slots, ids and entries as the same entries made contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn(rows, tokens, heads, DIM, generator=g).transpose(1, 2) for _ in range(2))
+    positions = torch.arange(tokens).expand(rows, tokens)
+    made = []
+    for k, v in ((keys, values), (keys.contiguous(), values.contiguous())):
+        pool, table = SlotPool(DIM), SlotTable(rows, heads)
+        table.append(pool, k, v, positions)
+        view = table.view(pool)
+        made.append((table.slots.clone(), view.keys, view.values, view.positions))
+    assert not keys.is_contiguous()
+    for a, b in zip(*made):
+        assert torch.equal(a, b)
+    assert torch.equal(made[0][1][..., :tokens, :], keys) and torch.equal(made[0][2][..., :tokens, :], values)
+
+
 def test_fixed_pool_refuses_without_touching_anything():
     pool = SlotPool(DIM, capacity=10)
     table = SlotTable(1, 2)

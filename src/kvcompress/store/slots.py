@@ -637,9 +637,13 @@ class SlotTable:
         r, h, q, d = keys.shape
         if valid is None:
             count = r * h * q
-            slots = pool.allocate(count)
-            pool.write(slots, keys.reshape(count, d), values.reshape(count, d))
-            ids = torch.stack([slots.view(r, h, q).to(torch.int32), positions.to(torch.int32)], dim=-1)
+            slots = pool.allocate(count).view(r, h, q)
+            if keys.transpose(1, 2).is_contiguous() and values.transpose(1, 2).is_contiguous():  # a prompt's rows [q, H, d]:
+                # written in their own order, the slots' ids reordered to them (no copy of the entries first)
+                pool.write(slots.transpose(1, 2), keys.transpose(1, 2).reshape(count, d), values.transpose(1, 2).reshape(count, d))
+            else:
+                pool.write(slots, keys.reshape(count, d), values.reshape(count, d))
+            ids = torch.stack([slots.to(torch.int32), positions.to(torch.int32)], dim=-1)
             added = None
         else:  # some entries are padding: left-align the real ones per head
             count = int(valid.sum())
