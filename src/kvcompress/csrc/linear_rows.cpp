@@ -9,8 +9,8 @@
 // engine's path for more rows) sum in another order, so the two may differ in the last bit. Three kernels:
 //   * bfloat16 where the CPU has AVX512-BF16: VDPBF16PS, 32 channels a step (every product exact), weight rows two at a
 //     time against eight rows of x (sixteen sums in registers), K a multiple of 32;
-//   * float32 where the CPU has AVX-512 and K is a multiple of 16 up to WIDE_MAX_K: sixteen channels a step, one weight
-//     row against eight rows of x (eight sums), x interleaved by steps first;
+//   * float32 where the CPU has AVX-512 and K is a multiple of 16 up to WIDE_MAX_K: sixteen channels a step, weight rows
+//     two at a time against eight rows of x (sixteen sums), x interleaved by steps first;
 //   * otherwise (bfloat16 without AVX512-BF16, float32 on other K or where the CPU has AVX2 and FMA only): eight channels
 //     a step (a bfloat16 number widened to float32 in registers: its bits shifted up), weight rows two at a time against
 //     eight rows of x where the CPU has 32 vector registers, else four (sixteen or eight sums), K a multiple of 8.
@@ -31,7 +31,7 @@
 
 namespace {
 
-constexpr int64_t AHEAD = 8192;  // bytes of weight prefetched ahead of the rows being read
+constexpr int64_t AHEAD = 8192;  // bytes of weight prefetched ahead of the rows being read (16-64 KiB: no faster)
 
 // A piece of the stacked weight: its rows are the output's [first, first + count), its groups of rows the tasks from
 // first_group.
@@ -169,29 +169,43 @@ inline void fma_pass(const float* x, int64_t rows, int64_t k_channels, const wei
 
 #if defined(__AVX512F__)
 // The widest float32 pass, where the CPU has AVX-512 and x's FMA_ROWS rows fit in L1 beside the streamed weights (K at
-// most WIDE_MAX_K, a multiple of 16): one weight row against them, sixteen channels a step (eight sums). More weight rows
-// a pass read more streams of weights at once, which the memory answered more slowly (a Zen 5, cold weights [N, 576]:
-// 36-47 GB/s for one row against 32-42 for three); longer rows of x leave L1 once a weight row (one row of [576, 1536]:
-// 16 GB/s), and the two-row pass of eight channels runs there instead (39).
+// most WIDE_MAX_K, a multiple of 16): two weight rows against them, sixteen channels a step (sixteen sums). On a Zen 5,
+// cold weights [N, 576], 30 layers' query-key-value, output and gate-up products over 8 rows, the two passes taken in
+// turn in one process: 6.19-6.30 ms (50.5-51.4 GB/s) against 6.51-6.69 with one weight row a pass (an earlier run of
+// three rows a pass against one, 32-42 against 36-47 GB/s, was not interleaved). Longer rows of x leave L1 (a row of
+// [576, 1536]: two rows a pass 28 GB/s, one 18.5), and the two-row pass of eight channels runs there instead (42).
 constexpr int64_t WIDE_MAX_K = 768;
 
-// out[m, n] = x[m] · row[n] + bias[n] for m < rows, all float32, x's FMA_ROWS rows interleaved by sixteen channels
-// (`packed`: step s holds x[m, 16s .. 16s + 16) at (s · FMA_ROWS + m) · 16; zero rows past `rows`), read in order from one
-// pointer.
+// out[m, n + j] = x[m] · row_j + bias[n + j] for j < PAIR and m < rows, all float32 (row_j = row + j · K), x's FMA_ROWS
+// rows interleaved by sixteen channels (`packed`: step s holds x[m, 16s .. 16s + 16) at (s · FMA_ROWS + m) · 16; zero rows
+// past `rows`), read in order from one pointer, each step's load of a row of x used for both weight rows.
+template <int64_t PAIR>
 inline void wide_pass(const float* packed, int64_t rows, int64_t k_channels, const float* row, int64_t n, const float* bias,
                       float* out, int64_t n_out) {
-  __m512 acc[FMA_ROWS];
-  for (int64_t m = 0; m < FMA_ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[PAIR][FMA_ROWS];
+  for (int64_t j = 0; j < PAIR; ++j)
+    for (int64_t m = 0; m < FMA_ROWS; ++m) acc[j][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_channels; k += 16) {
-    __builtin_prefetch(reinterpret_cast<const char*>(row + k) + AHEAD);
-    const __m512 weights = _mm512_loadu_ps(row + k);
+    __m512 weights[PAIR];
+    for (int64_t j = 0; j < PAIR; ++j) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row + j * k_channels + k) + AHEAD);
+      weights[j] = _mm512_loadu_ps(row + j * k_channels + k);
+      asm("" : "+v"(weights[j]));  // loaded once into a register, as in fma_pass
+    }
     const float* step = packed + k * FMA_ROWS;
-    for (int64_t m = 0; m < FMA_ROWS; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(step + m * 16), weights, acc[m]);
+    for (int64_t m = 0; m < FMA_ROWS; ++m) {
+      __m512 xs = _mm512_loadu_ps(step + m * 16);
+      asm("" : "+v"(xs));  // one load for both weight rows
+      for (int64_t j = 0; j < PAIR; ++j) acc[j][m] = _mm512_fmadd_ps(xs, weights[j], acc[j][m]);
+    }
   }
-  float sums[FMA_ROWS];  // reduced at fixed indices first, as fma_pass does
-  for (int64_t m = 0; m < FMA_ROWS; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
-  const float b = bias ? bias[n] : 0.f;
-  for (int64_t m = 0; m < rows; ++m) out[m * n_out + n] = sums[m] + b;
+  float sums[PAIR][FMA_ROWS];  // reduced at fixed indices first, as fma_pass does
+  for (int64_t j = 0; j < PAIR; ++j)
+    for (int64_t m = 0; m < FMA_ROWS; ++m) sums[j][m] = _mm512_reduce_add_ps(acc[j][m]);
+  for (int64_t j = 0; j < PAIR; ++j) {
+    const float b = bias ? bias[n + j] : 0.f;
+    for (int64_t m = 0; m < rows; ++m) out[m * n_out + n + j] = sums[j][m] + b;
+  }
 }
 
 // x [rows, K] (any strides; K a multiple of 16, at most WIDE_MAX_K), the weights, bias and out float32.
@@ -210,10 +224,13 @@ void linear_rows_wide(const at::Tensor& x, const std::vector<at::Tensor>& weight
       }
   const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* to_out = out.data_ptr<float>();
-  stream_groups<1>(pieces_of<1, float>(weights), k_channels, [&](const float* row, int64_t, int64_t column) {
-    for (int64_t pass = 0; pass < passes; ++pass)
-      wide_pass(xs + pass * pass_floats, std::min(FMA_ROWS, rows - pass * FMA_ROWS), k_channels, row, column, bias_data,
-                to_out + pass * FMA_ROWS * n_out, n_out);
+  stream_groups<2>(pieces_of<2, float>(weights), k_channels, [&](const float* pair, int64_t count, int64_t column) {
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int64_t m = std::min(FMA_ROWS, rows - pass * FMA_ROWS);
+      float* to = to_out + pass * FMA_ROWS * n_out;
+      if (count == 2) wide_pass<2>(xs + pass * pass_floats, m, k_channels, pair, column, bias_data, to, n_out);
+      else wide_pass<1>(xs + pass * pass_floats, m, k_channels, pair, column, bias_data, to, n_out);
+    }
   });
 }
 #endif
