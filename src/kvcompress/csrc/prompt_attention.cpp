@@ -163,7 +163,8 @@ void block_softmax(float* logits_t, int64_t count, int64_t v, int64_t first, __m
     _mm512_storeu_ps(at, p);
     sum = _mm512_add_ps(sum, p);
   }
-  const __m512 scale = exp2_16(_mm512_max_ps(_mm512_sub_ps(old_top, next), _mm512_set1_ps(-200.f)));  // 0 where the old max was −inf
+  // the outputs' rescale, 0 where the old max was −inf (clamped: 2^−200 is 0 in float32, and −inf − m would make NaN)
+  const __m512 scale = exp2_16(_mm512_max_ps(_mm512_sub_ps(old_top, next), _mm512_set1_ps(-200.f)));
   _mm512_storeu_ps(rescale + v * 16, scale);
   _mm512_storeu_ps(total + v * 16, _mm512_fmadd_ps(_mm512_loadu_ps(total + v * 16), scale, sum));
   _mm512_storeu_ps(top + v * 16, next);
@@ -197,7 +198,8 @@ void attend_task(const Rows<const scalar_t>& query, const Rows<scalar_t>& out, c
   for (int64_t first = 0; first < end; first += KEYS) {
     block_logits(rows_t.data(), count, d, keys, first, logits_t.data());
     const bool masked = first + KEYS - 1 > lasts[0];
-    for (int64_t v = 0; v < groups; ++v) block_softmax(logits_t.data(), count, v, first, last, masked, top.data(), total.data(), rescale.data());
+    for (int64_t v = 0; v < groups; ++v)
+      block_softmax(logits_t.data(), count, v, first, last, masked, top.data(), total.data(), rescale.data());
     block_values(logits_t.data(), rescale.data(), count, d, values, first, acc.data());
   }
   for (int64_t g = 0; g < groups; ++g)
@@ -208,6 +210,7 @@ void attend_task(const Rows<const scalar_t>& query, const Rows<scalar_t>& out, c
       for (int64_t ch = 0; ch < d; ++ch) o[ch] = static_cast<scalar_t>(acc[r * d + ch] * inverse);
     }
 }
+
 // The channels of each of `tensors` (all [B, H, ·, d]) contiguous: each as it is where they are, else a contiguous copy.
 std::vector<at::Tensor> channels_contiguous(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> out;
