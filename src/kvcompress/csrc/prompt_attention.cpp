@@ -61,6 +61,13 @@ using held_t = float;
 template <typename key_t>
 constexpr int64_t PAIR = std::is_same_v<key_t, float> ? 1 : 2;
 
+// An input number as it is held: widened to float32, or kept bfloat16 for the dots.
+template <typename key_t, typename scalar_t>
+inline key_t held(scalar_t x) {
+  if constexpr (std::is_same_v<key_t, float>) return to_float(x);
+  else return x;
+}
+
 // Where one head's entries lie: the pieces of its keys and values along L (a prompt's chunk: its held entries, then its
 // own), each with its first entry's address and its entries' stride (the channels contiguous).
 template <typename scalar_t>
@@ -86,11 +93,7 @@ void pack_block(const HeadEntries<scalar_t>& head, int64_t d, int64_t block, key
     const int64_t at = l - (piece ? head.end[piece - 1] : 0);
     const scalar_t* k = head.keys[piece] + at * head.key_stride[piece];
     const scalar_t* v = head.values[piece] + at * head.value_stride[piece];
-    for (int64_t c = 0; c < d; ++c) {
-      if constexpr (std::is_same_v<key_t, float>) key[c] = to_float(k[c]);
-      else key[c] = k[c];
-      value[c] = to_float(v[c]);
-    }
+    for (int64_t c = 0; c < d; ++c) key[c] = held<key_t>(k[c]), value[c] = to_float(v[c]);
   }
 }
 
@@ -241,14 +244,13 @@ void attend_task(const Rows<const scalar_t>& query, const Rows<scalar_t>& out, c
   int32_t lasts[QUERIES];
   for (int64_t t = 0; t < QUERIES; ++t) lasts[t] = static_cast<int32_t>(visible_before + std::min(t0 + t, c - 1));
   const __m512i last = _mm512_loadu_si512(lasts);
+  // float32 queries scaled first; bfloat16 ones held as they are (× 1, exact), their logits scaled once summed
+  const float prescale = std::is_same_v<key_t, float> ? scaling * LOG2E : 1.f;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t t = 0; t < QUERIES; ++t) {
       const scalar_t* q = query.at(g, std::min(t0 + t, c - 1));
-      for (int64_t ch = 0; ch < d; ++ch) {  // float32: scaled; bfloat16: as it is (its logits scaled once summed)
-        key_t& at = rows_t[(ch / pair * count + g * QUERIES + t) * pair + ch % pair];
-        if constexpr (std::is_same_v<key_t, float>) at = to_float(q[ch]) * scaling * LOG2E;
-        else at = q[ch];
-      }
+      for (int64_t ch = 0; ch < d; ++ch)
+        rows_t[(ch / pair * count + g * QUERIES + t) * pair + ch % pair] = held<key_t>(to_float(q[ch]) * prescale);
     }
   const int64_t end = visible_before + std::min(t0 + QUERIES, c);
   for (int64_t first = 0; first < end; first += KEYS) {

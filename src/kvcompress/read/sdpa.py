@@ -233,8 +233,8 @@ def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 def _causal_kernel(query: torch.Tensor, *entries: torch.Tensor):
     """The CPU kernels where their causal attention (``csrc/prompt_attention.cpp``: float32 sums, ~2.8× torch's CPU flash
-    kernel at a 2000-token prompt; its output token-major, [B, c, Hq, d] permuted) takes ``query`` [B, Hq, c, d]: on the CPU, float32 or bfloat16, d a multiple of 64,
-    with no gradient to record through it or ``entries``; else None."""
+    kernel at a 2000-token prompt; its output token-major, [B, c, Hq, d] permuted) takes ``query`` [B, Hq, c, d]: on the
+    CPU, float32 or bfloat16, d a multiple of 64, with no gradient to record through it or ``entries``; else None."""
     if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16) or query.shape[-1] % 64:
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, *entries)):
