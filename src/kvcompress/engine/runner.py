@@ -24,6 +24,7 @@ import torch
 
 from ..hf.cache import CompressedCache, hidden_statistics
 from ..hf.replay import run_replay
+from ..heap import keep_freed_buffers
 from ..hugepages import move_parameters
 from ..read import read
 from ..read.paged import compiled_step
@@ -165,6 +166,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":  # a decoding step streams every weight: on 2 MiB pages, fewer TLB misses
             move_parameters(model)
+            keep_freed_buffers()  # a step's tens of MB of short-lived tensors reused, not faulted in again
         self.decoder = Decoder(model, pack)
 
     @torch.inference_mode()
