@@ -95,7 +95,7 @@ def _case(seed: int, rows: int, heads: int, groups: int, dim: int, lengths: list
     return query, keys, values, tables, lengths, log_weights, view, kivi
 
 
-CASES = dict(rows=st.integers(1, 3), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 7]), dim=st.sampled_from([8, 64, 128]),
+CASES = dict(rows=st.integers(1, 3), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 4, 7]), dim=st.sampled_from([8, 64, 128]),
              data=st.data(), hole_rate=st.sampled_from([0.0, 0.3, 1.0]), weighted=st.booleans(),
              dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16),
              coded_rate=st.sampled_from([0.0, 0.5, 1.0]), bits=st.sampled_from([2, 4]), group_size=st.sampled_from([8, 16, 32]),
@@ -123,6 +123,16 @@ def test_every_way_the_cpu_read_takes_kivi_values_equals_the_reference(bits, gro
     take their logits at once. Each equals the reference, with holes, log-weights and GQA groups of 3."""
     _check_against_reference((paged_decode,), 2, 2, 3, dim, None, 0.3, True, torch.float32, group_size + bits, 0.5, bits, group_size,
                              coded_layout, lengths=[1100, 65, 513, 64])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_gqa_group_of_the_cpu_read_equals_the_reference(groups, dim, dtype):
+    """The CPU read weighs plain values with every query of a group of up to four at once (its sums in registers), a
+    larger group query by query: each equals the reference, over blocks and chunks, with holes and log-weights."""
+    _check_against_reference((paged_decode,), 2, 2, groups, dim, None, 0.3, True, dtype, 7 * groups + dim, 0.0, 2, 8,
+                             lengths=[1100, 65, 513, 64])
 
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -341,9 +341,44 @@ inline void dots16_bf16(const at::BFloat16*, float, int64_t, const at::BFloat16*
 // acc[g · d + c] += Σ_k probs[g · BLOCK + index[k]] · rows[k][c] for the G queries of a group, over `count` value rows
 // (d = 64 · tiles channels): per tile of 64 channels and four queries, the sums stay in registers while every row of
 // the block is added (one load and store of acc per block, not per entry).
+#if defined(__AVX512F__)
+// accumulate_values for a group of G queries (G ≤ 4), d a multiple of 64: each value row's 64 channels of a tile widened to
+// float32 once, in four registers, for all G queries (the generic loop below widens it once per query), and the G × 4 sums
+// held in registers across the block's rows.
+template <int64_t G, typename row_t>
+inline void accumulate_values_fixed(float* acc, const float* probs, const row_t* const* rows, const int64_t* index, int64_t count,
+                                    int64_t d) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    __m512 sums[G][4];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < 4; ++t) sums[g][t] = _mm512_loadu_ps(acc + g * d + c0 + 16 * t);
+    for (int64_t k = 0; k < count; ++k) {
+      const row_t* v = rows[k] + c0;
+      __m512 row[4];
+      for (int64_t t = 0; t < 4; ++t) row[t] = load16(v + 16 * t);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * BLOCK + index[k]]);
+        for (int64_t t = 0; t < 4; ++t) sums[g][t] = _mm512_fmadd_ps(p, row[t], sums[g][t]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < 4; ++t) _mm512_storeu_ps(acc + g * d + c0 + 16 * t, sums[g][t]);
+  }
+}
+#endif
+
 template <typename row_t>
 inline void accumulate_values(float* acc, const float* probs, int64_t groups, const row_t* const* rows, const int64_t* index,
                               int64_t count, int64_t d) {
+#if defined(__AVX512F__)
+  switch (groups) {  // the usual GQA groups, each with its sums in registers
+    case 1: return accumulate_values_fixed<1>(acc, probs, rows, index, count, d);
+    case 2: return accumulate_values_fixed<2>(acc, probs, rows, index, count, d);
+    case 3: return accumulate_values_fixed<3>(acc, probs, rows, index, count, d);
+    case 4: return accumulate_values_fixed<4>(acc, probs, rows, index, count, d);
+    default: break;
+  }
+#endif
   constexpr int64_t TILE = 64;
   for (int64_t c0 = 0; c0 < d; c0 += TILE) {
     for (int64_t g0 = 0; g0 < groups; g0 += 4) {
