@@ -9,10 +9,10 @@ before the product writes it. ``keep_freed_buffers`` sets glibc's thresholds onc
 then holds, once freed, about the largest set of such buffers a step had alive at once (tens of MB at 2048 tokens a
 step), where it would have given them back and asked again.
 
-Measured on a 2-core AMD EPYC (Zen 5), float32 SmolLM2, 8 prompts of 2000 tokens prefilled 2048 tokens a step, three
-processes each way, alternated: 170-510 thousand page faults and 0.3-0.8 s of system time a prefill with glibc's
-defaults (one process of three settled at ~1 thousand), at most 18 thousand and 0.05 s with these thresholds; 1408-1482
-against 1458-1544 prompt tokens/s (docs/results.md).
+Measured on a 2-core AMD EPYC (Zen 5), float32 SmolLM2, 8 prompts of 2000 tokens prefilled 2048 tokens a step, seven
+processes each way, alternated: 80-810 thousand page faults and 0.1-1.2 s of system time a prefill with glibc's defaults
+(one process of seven settled at ~1 thousand), at most 18 thousand and 0.05 s with these thresholds; 1399-1482 (mean
+1437) against 1458-1544 (mean 1490) prompt tokens/s (docs/results.md).
 
 Elsewhere (not glibc: musl, macOS, Windows) nothing is changed.
 """
