@@ -24,7 +24,7 @@ import ctypes.util
 import platform
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest (HEAP_MAX's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
+MMAP_THRESHOLD = 32 << 20  # bytes: the largest glibc takes (its DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
 TRIM_THRESHOLD = 1 << 30  # bytes of free heap top kept before glibc trims it
 TOP_PAD = 64 << 20  # bytes the heap grows by at least, each time it grows
 

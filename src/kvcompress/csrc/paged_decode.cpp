@@ -338,9 +338,6 @@ constexpr bool BF16_DOTS = false;
 inline void dots16_bf16(const at::BFloat16*, float, int64_t, const at::BFloat16* const*, int64_t, const float*, float*) {}
 #endif
 
-// acc[g · d + c] += Σ_k probs[g · BLOCK + index[k]] · rows[k][c] for the G queries of a group, over `count` value rows
-// (d = 64 · tiles channels): per tile of 64 channels and four queries, the sums stay in registers while every row of
-// the block is added (one load and store of acc per block, not per entry).
 #if defined(__AVX512F__)
 // accumulate_values for a group of G queries (G ≤ 4), d a multiple of 64: each value row's 64 channels of a tile widened to
 // float32 once, in four registers, for all G queries (the generic loop below widens it once per query), and the G × 4 sums
@@ -367,6 +364,9 @@ inline void accumulate_values_fixed(float* acc, const float* probs, const row_t*
 }
 #endif
 
+// acc[g · d + c] += Σ_k probs[g · BLOCK + index[k]] · rows[k][c] for the G queries of a group, over `count` value rows
+// (d = 64 · tiles channels): per tile of 64 channels and four queries, the sums stay in registers while every row of
+// the block is added (one load and store of acc per block, not per entry).
 template <typename row_t>
 inline void accumulate_values(float* acc, const float* probs, int64_t groups, const row_t* const* rows, const int64_t* index,
                               int64_t count, int64_t d) {
