@@ -49,16 +49,6 @@ def test_zeros_off_the_cpu_are_torch_zeros_there():
     assert tensor.device.type == "meta" and tensor.shape == (3 << 20,)
 
 
-def test_on_huge_pages_copies_the_values_and_leaves_small_or_aligned_tensors_alone():
-    tensor = torch.randn(1024, 1024)
-    moved = hugepages.on_huge_pages(tensor)
-    assert torch.equal(moved, tensor) and moved.data_ptr() != tensor.data_ptr()
-    if ADVISES:
-        assert hugepages.on_huge_pages(moved) is moved  # already there: not copied again
-    small = torch.randn(10)
-    assert hugepages.on_huge_pages(small) is small
-
-
 def test_moving_parameters_keeps_their_values_and_ties():
     model = nn.Sequential(nn.Embedding(2048, 512), nn.Linear(512, 2048, bias=True), nn.LayerNorm(2048))
     model[1].weight = model[0].weight  # tied, as a causal LM's embedding and head: [2048, 512], 4 MiB
@@ -71,7 +61,45 @@ def test_moving_parameters_keeps_their_values_and_ties():
     assert model[1].weight is model[0].weight
     if ADVISES:
         assert model[0].weight.data_ptr() % hugepages.HUGE_PAGE == 0
-        assert advised(model[0].weight) and not advised(model[2].weight)
+        assert all(advised(p) for p in parameters)  # the small ones too: one mapping for all
+
+
+@pytest.mark.skipif(not ADVISES, reason="huge pages are advised on Linux only")
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from([torch.float32, torch.bfloat16, torch.int8])), min_size=1, max_size=8))
+def test_moved_parameters_lie_one_after_another_each_on_its_own_storage(sizes):
+    """In the module's order, each at a cache line's start right after the one before, each over its own bytes; moved
+    again, nothing moves."""
+    module = nn.Module()
+    for i, (numel, dtype) in enumerate(sizes):
+        values = torch.randn(numel) * 50 if dtype.is_floating_point else torch.randint(-100, 100, (numel,))
+        module.register_parameter(f"p{i}", nn.Parameter(values.to(dtype), requires_grad=False))
+    before = [p.detach().clone() for p in module.parameters()]
+    hugepages.move_parameters(module)
+    moved = list(module.parameters())
+    assert moved[0].data_ptr() % hugepages.HUGE_PAGE == 0
+    end = moved[0].data_ptr()
+    for p, value in zip(moved, before):
+        assert torch.equal(p, value) and p.data_ptr() % hugepages.ALIGN == 0
+        assert end <= p.data_ptr() < end + hugepages.ALIGN  # right after the one before, aligned
+        storage = p.untyped_storage()
+        assert storage.data_ptr() == p.data_ptr() and storage.nbytes() == p.numel() * p.element_size()
+        end = p.data_ptr() + storage.nbytes()
+    pointers = [p.data_ptr() for p in moved]
+    hugepages.move_parameters(module)
+    assert [p.data_ptr() for p in module.parameters()] == pointers
+
+
+@pytest.mark.skipif(not ADVISES, reason="huge pages are advised on Linux only")
+def test_moved_parameters_save_as_separate_tensors(tmp_path):
+    """No two moved parameters share a storage, so safetensors (which refuses shared tensors) saves them as before."""
+    from safetensors.torch import load_file, save_file
+
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False))
+    hugepages.move_parameters(model)
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(loaded[name], p) for name, p in model.state_dict().items())
 
 
 def test_the_slot_pools_large_arrays_lie_on_huge_pages_and_grow_there():

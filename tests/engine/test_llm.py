@@ -72,20 +72,19 @@ def test_full_equals_model_generate_for_mixed_lengths_arriving_at_different_step
 
 
 def test_the_engine_moves_the_weights_onto_huge_pages_and_keeps_transformers_tokens():
-    """The engine streams every weight each decoding step: those of 2 MiB or more (here the MLP's, [8192, 64]) move onto
-    huge pages (``hugepages.move_parameters``), smaller ones stay; the tokens stay transformers'."""
+    """The engine streams every weight each decoding step: they move, all of them, into one mapping on huge pages
+    (``hugepages.move_parameters``), the embedding first at a huge page's start; the tokens stay transformers'."""
     model = tiny_model(seed=2)
-    model.config.intermediate_size = 8192
-    for layer in model.model.layers:
-        layer.mlp = type(layer.mlp)(model.config)
     with torch.no_grad():
         model.lm_head.weight.mul_(SHARP)
     prompts = prompts_of([30, 55], seed=2)
     expected = [reference(model, prompt, 8) for prompt in prompts]
     llm = make_llm(model, kv_memory="8MiB")
-    moved = [layer.mlp.up_proj.weight for layer in model.model.layers]
-    assert all(w.data_ptr() % hugepages.HUGE_PAGE == 0 for w in moved) == hugepages.advises()
-    assert model.lm_head.weight.data_ptr() % hugepages.HUGE_PAGE != 0  # [128, 64]: left where it was
+    first = model.model.embed_tokens.weight.data_ptr()
+    assert (first % hugepages.HUGE_PAGE == 0) == hugepages.advises()
+    if hugepages.advises():  # every parameter after the first, within the one mapping
+        size = sum(p.numel() * p.element_size() + hugepages.ALIGN for p in model.parameters())
+        assert all(first <= p.data_ptr() < first + size for p in model.parameters())
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [out.token_ids for out in outs] == expected
 
