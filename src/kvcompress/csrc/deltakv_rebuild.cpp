@@ -741,7 +741,7 @@ std::vector<at::Tensor> deltakv_decode(const at::Tensor& queries, double scaling
 
   // phase 2: every (row, head) in chunks, then merged by log-sum-exp, Σ p z projected by the head's value columns
   const int64_t groups = hq / heads;
-  const DecodeTasks tasks(length, rows * heads);
+  const DecodeTasks tasks(length, rows * heads, 16);  // more chunks than the plain read: its entries cost more each
   const int64_t count = tasks.count();
   std::vector<float> acc(count * groups * d), zero_sums(count * groups), code_sums(count * groups * code_width), m(count * groups),
       l(count * groups);

@@ -188,6 +188,7 @@ inline void prefetch_row(const scalar_t* row, int64_t d) {
 }
 
 constexpr int64_t AHEAD = 16;  // entries
+constexpr int64_t TASKS_PER_THREAD = 4;  // chunks a thread at least, where the read is short (DecodeTasks)
 
 // A chunk's plain entries' key and value rows prefetched AHEAD entries before they are read: slots lie anywhere in the
 // pool, so the hardware's own prefetch cannot guess the next row, and each row's wait would otherwise be a DRAM latency
@@ -621,7 +622,7 @@ void run(const at::Tensor& query, const at::Tensor& query_bf16, float scaling, c
   const at::BFloat16* q_bf16 = query_bf16.defined() ? query_bf16.data_ptr<at::BFloat16>() : nullptr;
   const scalar_t* k = keys.data_ptr<scalar_t>();
   const scalar_t* v = values.data_ptr<scalar_t>();
-  const DecodeTasks tasks(length, rows * heads);
+  const DecodeTasks tasks(length, rows * heads, TASKS_PER_THREAD);
   std::vector<float> acc(tasks.count() * groups * d), m(tasks.count() * groups), l(tasks.count() * groups);
   std::atomic<bool> out_of_range{false};
   float* score = scores.numel() ? scores.data_ptr<float>() : nullptr;
