@@ -543,3 +543,18 @@ def test_a_fixed_pool_the_system_will_not_map_whole_grows_as_before(monkeypatch)
     assert pool.arrays["keys"].shape[0] == pool.refs.shape[0] > 106
     keys, values = pool.gather(held)
     assert bool((keys == 1).all()) and bool((values == 2).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=6), holders=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_the_free_stack_read_off_the_holders_counts_is_the_stack_sorted(sizes, holders, seed):
+    """``_sort_free`` (what a relocation takes the smallest free slots from) gives the free stack sorted, the smallest on
+    top, after allocations that grow the pool and releases in any order, of slots held once or twice."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = SlotPool(DIM, initial=16)
+    held = [pool.allocate(n, holders=holders) for n in sizes]
+    for slots in held[::2]:
+        pool.release(slots[torch.randperm(slots.numel(), generator=gen)])
+    expected = pool._free[: pool._top].sort(descending=True).values
+    pool._sort_free()
+    assert torch.equal(pool._free[: pool._top], expected)

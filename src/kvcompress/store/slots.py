@@ -260,7 +260,7 @@ class SlotPool:
         n = slots.numel()
         if n == 0 or n > min(self._top, self.num_free):  # free in the arrays now, and within the budget
             return slots
-        self._free[: self._top] = self._free[: self._top].sort(descending=True).values  # the smallest on top
+        self._sort_free()
         budget = self.budget
         peak = budget.peak_bytes
         moved = self.allocate(n)
@@ -269,6 +269,11 @@ class SlotPool:
         self.release(slots)
         budget.peak_bytes = peak  # the move only borrows slots that were free: it needs no byte more than is held
         return moved
+
+    def _sort_free(self) -> None:
+        """The free stack as every free slot (nobody holds it) in descending order, the smallest on top: read off the
+        holders' counts in one pass over the arrays' slots, not sorted (a sort of the stack took 55-270 ms at 4M slots)."""
+        self._free[: self._top] = (self.refs[1:] == 0).nonzero().squeeze(1).add_(1).flip(0)
 
     @_plain_tensors
     def share(self, slots: torch.Tensor) -> None:
