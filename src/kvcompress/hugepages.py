@@ -62,8 +62,8 @@ def move_parameters(module: nn.Module) -> None:
     as it is; where huge pages cannot be advised nothing moves.
 
     A layer's products of the 135M model in bfloat16 are 0.2-1.8 MB each: below one huge page, so on their own they
-    stayed on 4 KiB pages. Together (Zen 5, a bfloat16 SnapKV step over 8 rows, both ways in one process, alternated):
-    12.0 → 11.0 and 10.1 → 9.4 ms a step; in float32 20.3 → 19.7 ms."""
+    stayed on 4 KiB pages. Together (Zen 5, the engine's SnapKV step over 8 rows, both ways in one process, alternated):
+    9.81 → 9.03 ms a step in bfloat16, 15.22 → 14.81 in float32 (docs/results.md)."""
     parameters = [p for p in {id(p): p for p in module.parameters()}.values()
                   if p.device.type == "cpu" and p.is_contiguous() and p.numel() > 0]
     offsets, total = [], 0
