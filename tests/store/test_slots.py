@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from kvcompress import hugepages
 from kvcompress.store.codecs import KiviCodec
 from kvcompress.kernels import cpu_kernels
-from kvcompress.store.slots import LENGTH_BYTES, PAD_POSITION, PAD_SLOT, TIER_SHIFT, SlotTable, PoolExhausted, SlotPool, compact_rows_torch
+from kvcompress.store.slots import (LENGTH_BYTES, PAD_POSITION, PAD_SLOT, TIER_SHIFT, PoolExhausted, SlotPool, SlotTable, compact_rows_torch,
+                                     distinct)
 from kvcompress.store.view import Edit, Rewrite
 
 DIM = 4
@@ -558,3 +559,12 @@ def test_the_free_stack_read_off_the_holders_counts_is_the_stack_sorted(sizes, h
     expected = pool._free[: pool._top].sort(descending=True).values
     pool._sort_free()
     assert torch.equal(pool._free[: pool._top], expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.integers(0, 2**31), max_size=300), repeats=st.integers(1, 3))
+def test_distinct_is_torch_unique(values, repeats):
+    """The slots a release frees, told apart by numpy's sort: torch.unique's values in its order, duplicates or none."""
+    index = torch.tensor(values * repeats, dtype=torch.long)[torch.randperm(len(values) * repeats)]
+    got = distinct(index)
+    assert got.dtype == torch.long and torch.equal(got, torch.unique(index))
