@@ -86,9 +86,8 @@ class PoolExhausted(RuntimeError):
 
 
 def distinct(index: torch.Tensor) -> torch.Tensor:
-    """The distinct values of a CPU int64 tensor, ascending: ``torch.unique``'s result, by numpy's sort, which on the
-    CPUs measured is ~15× faster than torch's at the tens of thousands of slots a request lets go (24K: 65-80 against
-    1000 µs, ~1 ms of every finished request's release and of each eviction's)."""
+    """The distinct values of a CPU int64 tensor, ascending: ``torch.unique``'s result, by numpy's sort (on a Zen 5, 24K
+    shuffled slots: 65-80 against 1000 µs; inside the engine a finished request's release took 0.90 ms, against 1.20)."""
     ordered = np.sort(index.numpy())
     keep = np.empty(ordered.shape[0], dtype=bool)
     keep[:1] = True
