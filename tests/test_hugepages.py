@@ -102,6 +102,35 @@ def test_moved_parameters_save_as_separate_tensors(tmp_path):
     assert all(torch.equal(loaded[name], p) for name, p in model.state_dict().items())
 
 
+@pytest.mark.skipif(not ADVISES, reason="huge pages are advised on Linux only")
+def test_where_the_kernel_refuses_the_advice_zeros_are_torchs_and_no_parameter_moves(monkeypatch):
+    import mmap
+    import types
+
+    class Refusing:  # a mapping whose kernel was built without transparent huge pages
+        def __init__(self, *args, **kwargs):
+            self.region, self.closed = mmap.mmap(*args, **kwargs), False
+
+        def madvise(self, advice):
+            raise OSError("EINVAL")
+
+        def close(self):
+            self.closed = True
+            self.region.close()
+
+    made = []
+    fake = types.SimpleNamespace(**{name: getattr(mmap, name) for name in ("MAP_PRIVATE", "MAP_ANONYMOUS", "MADV_HUGEPAGE")},
+                                 mmap=lambda *a, **k: made.append(Refusing(*a, **k)) or made[-1])
+    monkeypatch.setattr(hugepages, "mmap", fake)
+    tensor = hugepages.zeros(3 << 20, dtype=torch.float32)
+    assert tensor.shape == (3 << 20,) and not tensor.any() and not advised(tensor)
+    model = nn.Linear(512, 2048)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    hugepages.move_parameters(model)
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    assert len(made) == 2 and all(m.closed for m in made)
+
+
 def test_the_slot_pools_large_arrays_lie_on_huge_pages_and_grow_there():
     pool = SlotPool(64, capacity=1 << 16, initial=1 << 13)  # keys and values of 8193 slots: 2 MiB each
     for array in pool.arrays.values():

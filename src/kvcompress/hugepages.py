@@ -40,15 +40,24 @@ def zeros(*shape: int, dtype: torch.dtype, device: str | torch.device = "cpu") -
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not advises():
         return torch.zeros(*shape, dtype=dtype, device=device)
+    mapped = _advised_mapping(nbytes)
+    if mapped is None:
+        return torch.zeros(*shape, dtype=dtype)
+    region, start = mapped
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until the last tensor over it is freed
+    return whole[start : start + nbytes].view(dtype).view(shape)
+
+
+def _advised_mapping(nbytes: int) -> tuple[mmap.mmap, int] | None:
+    """An anonymous mapping with room for ``nbytes`` from a 2 MiB boundary, advised for huge pages, and that boundary's
+    offset in it; None where the kernel refuses the advice (built without transparent huge pages)."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a page more, to align within
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without transparent huge pages
+    except OSError:
         region.close()
-        return torch.zeros(*shape, dtype=dtype)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until the last tensor over it is freed
-    start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start : start + nbytes].view(dtype).view(shape)
+        return None
+    return region, -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
 
 
 @torch.no_grad()
@@ -72,13 +81,10 @@ def move_parameters(module: nn.Module) -> None:
         total += -(-parameter.numel() * parameter.element_size() // ALIGN) * ALIGN
     if not parameters or not advises() or _lie_at(parameters, offsets):
         return
-    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a page more, to align within
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without transparent huge pages
-        region.close()
+    mapped = _advised_mapping(total)
+    if mapped is None:
         return
-    start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    region, start = mapped
     for parameter, offset in zip(parameters, offsets):  # each tensor holds the mapping until the last is freed
         moved = torch.frombuffer(region, dtype=parameter.dtype, count=parameter.numel(), offset=start + offset)
         parameter.data = moved.view(parameter.shape).copy_(parameter.data)
