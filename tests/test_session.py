@@ -212,3 +212,26 @@ def test_a_forward_stopped_part_way_leaves_the_layers_it_did_not_reach_without_t
     assert all(40 not in row and 41 in row for row in held[2])
     assert [layer.seen for layer in session.layers] == [42, 42, 41]
     assert session.pool.num_used == int(session.table.lengths.sum()) == session.table.held_slots().numel()
+
+
+@pytest.mark.parametrize("spec", [("adakv", {"budget": 12}), ("h2o", {"budget": 10}), ("kivi", {"bits": 2, "group_size": 8}), ("full", {})])
+def test_stats_sum_what_each_layer_holds_and_has_seen(spec):
+    """``stats`` and ``kv_bytes`` count every layer at once (a plain pool's table in one pass, tokens seen from the
+    layers' counts): the sums of each layer's bytes, entries and tokens seen, over a left-padded batch whose heads keep
+    ragged sizes, and again with a layer released."""
+    name, options = spec
+    model = tiny_model(layers=3, seed=2)
+    _, batch, mask = left_padded_batch([37, 22], seed=5)
+    cache = CompressedCache(model, get_method(name, **options))
+    model.generate(batch, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    session = cache.session
+    per_token = 2 * session.num_kv_heads * session.pool.head_dim * session.pool.arrays["keys"].element_size()
+    for _ in range(2):
+        present = session._present()
+        stats = session.stats()
+        seen = sum(int(session.layers[i].tokens_seen.sum()) for i in present)
+        assert session.kv_bytes() == stats["kv_bytes"] == sum(session.layer_bytes(i) for i in present)
+        assert stats["entries"] == sum(session.table.num_entries(session.rows(i)) for i in present)
+        assert stats["entries_full"] == seen * session.num_kv_heads
+        assert session.kv_bytes_full() == stats["kv_bytes_full"] == seen * per_token
+        session.layers[1] = None  # as a released layer: counted no more

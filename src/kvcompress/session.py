@@ -362,8 +362,7 @@ class Session:
     def _count_reads(self, read: int, layers: Iterable[int]) -> None:
         """A decoding step's ``read`` entries over ``layers``, beside what a full cache would have read there (``cr``)."""
         self.reads[0] += read
-        full = sum(self.layers[i].seen * self.batch_size - self.layers[i].padded for i in layers)
-        self.reads[1] += full * self.num_kv_heads
+        self.reads[1] += self._tokens_seen(layers) * self.num_kv_heads
 
     def _write_step(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> bool:
         """Put a decoding layer's new entries (keys/values [B, H, q, d]) in place. A step of one token of one request
@@ -607,27 +606,39 @@ class Session:
 
     def layer_bytes(self, layer_idx: int) -> int:
         """Bytes held for a layer: entries, metadata, the summary and any method state that knows its size."""
+        return self.table.nbytes(self.pool, self.rows(layer_idx)) + self._state_bytes(layer_idx)
+
+    def _state_bytes(self, layer_idx: int) -> int:
+        """Bytes of a layer's summary and method state (each object that knows its size, counted once)."""
         layer = self.layers[layer_idx]
         objects = {id(o): o for o in [layer.summary, *layer.state.values()] if o is not None and hasattr(o, "nbytes")}
-        return self.table.nbytes(self.pool, self.rows(layer_idx)) + sum(
-            o.nbytes if isinstance(o, torch.Tensor) else o.nbytes() for o in objects.values())  # a tensor's is an attribute
+        return sum(o.nbytes if isinstance(o, torch.Tensor) else o.nbytes() for o in objects.values())  # a tensor's is an attribute
 
     def kv_bytes(self) -> int:
-        """Bytes of KV state really held over all layers."""
-        return sum(self.layer_bytes(i) for i in self._present())
+        """Bytes of KV state really held over all layers (``layer_bytes`` summed; a plain pool's tables, whose bytes
+        add up row by row, counted in one pass where every layer is present)."""
+        present = self._present()
+        if self.pool.tiers or len(present) < self.num_layers:
+            return sum(self.layer_bytes(i) for i in present)
+        return self.table.nbytes(self.pool) + sum(self._state_bytes(i) for i in present)
+
+    def _tokens_seen(self, layers: Iterable[int]) -> int:
+        """Real tokens seen, summed over the rows of ``layers`` (their ``tokens_seen`` summed, from the counts)."""
+        return sum(self.layers[i].seen * self.batch_size - self.layers[i].padded for i in layers)
 
     def kv_bytes_full(self) -> int:
         """Bytes a plain KV cache would hold for the same tokens (keys + values)."""
         per_token = 2 * self.num_kv_heads * self.pool.head_dim * torch.empty(0, dtype=self.pool.dtype).element_size()
-        return sum(int(self.layers[i].tokens_seen.sum()) * per_token for i in self._present())
+        return self._tokens_seen(self._present()) * per_token
 
     def stats(self) -> dict[str, Any]:
         """kr (bytes held ÷ full), cr (entries read per decoding step ÷ full, over the steps so far; before the
         first step, what is held), sizes, notes and the method's own statistics."""
         present = self._present()
         full, held = self.kv_bytes_full(), self.kv_bytes()
-        entries = sum(self.table.num_entries(self.rows(i)) for i in present)
-        full_entries = sum(int(self.layers[i].tokens_seen.sum()) * self.num_kv_heads for i in present)
+        everything = len(present) == self.num_layers
+        entries = self.table.num_entries() if everything else sum(self.table.num_entries(self.rows(i)) for i in present)
+        full_entries = self._tokens_seen(present) * self.num_kv_heads
         heads = len(present) * self.batch_size * self.num_kv_heads
         read, read_full = self.reads if self.reads[1] else (entries, full_entries)  # no step yet: a step reads what is held
         return {
