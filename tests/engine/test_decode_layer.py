@@ -44,16 +44,20 @@ def decoding_logits(llm, prompts, method, compiled: bool, new: int = 6) -> tuple
             recorded.append(logits.clone())
         return logits, finals
 
-    layers = llm.runner.decoder.layers
+    decoder = llm.runner.decoder
+    layers, stack, whole = decoder.layers, decoder.stack, decoder.stack_call
     saved = [layer.compiled for layer in layers]
     for layer in layers:
         layer.compiled = Counted(layer.compiled) if compiled else None
+    stacked = Counted(whole)
+    decoder.stack, decoder.stack_call = (stack if compiled else None), stacked
     llm.runner.step = step
     try:
         llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True), method=method)
     finally:
-        del llm.runner.step
-        calls = sum(layer.compiled.calls for layer in layers) if compiled else 0
+        del llm.runner.step, decoder.stack_call
+        decoder.stack = stack
+        calls = sum(layer.compiled.calls for layer in layers) + stacked.calls * len(layers) if compiled else 0
         for layer, kept in zip(layers, saved):
             layer.compiled = kept
     return recorded, calls
@@ -86,6 +90,39 @@ def test_a_compiled_decoding_layer_gives_the_python_layers_logits_bit_for_bit(st
         assert len(compiled) <= calls < 2 * len(compiled)
     for got, expected in zip(compiled, python):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("method", [None, "snapkv:budget=24:window=4", "kivi:bits=2:group_size=16:residual=8"])
+def test_a_step_whose_every_layer_takes_its_reads_runs_the_layers_in_one_call(streamed, method):
+    """Where every layer of a decoding step takes the step's reads (no entries due for coding, no summary), the layers run
+    as one call (``decode_layers``), which ``test_a_compiled_decoding_layer_gives_the_python_layers_logits_bit_for_bit``
+    holds to the Python layers' logits; KIVI's layers, whose entries come due for coding, run one call each."""
+    llm = engine("llama", RUNS[0], seed=6)
+    decoder = llm.runner.decoder
+    assert decoder.stack is not None and len(decoder.stack) == len(decoder.layers)
+    stacked = Counted(decoder.stack_call)
+    decoder.stack_call = stacked
+    logits, calls = decoding_logits(llm, prompts([30, 45], seed=6), method, compiled=True, new=12)
+    assert len(logits) >= 10
+    if method is None or "kivi" not in method:
+        assert stacked.calls == len(logits) and calls == 2 * len(logits)
+    else:
+        assert stacked.calls == 0 and calls > 0
+
+
+def test_the_stack_of_layers_needs_a_layer_for_each_of_the_steps():
+    llm = engine("llama", RUNS[0], seed=7)
+    decoder = llm.runner.decoder
+    request = llm.add_request(prompts([20], seed=7)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    while not llm.request(request).output_ids:
+        llm.step()
+    captured = []
+    real = decoder.stack_call
+    decoder.stack_call = lambda hidden, rotary, reads: captured.append((hidden, rotary, reads)) or real(hidden, rotary, reads)
+    llm.step()
+    hidden, rotary, reads = captured[0]
+    with pytest.raises(RuntimeError, match="a layer for each"):
+        cpu_kernels().decode_layers(decoder.stack[:1], hidden, None, rotary.cos, rotary.sin, reads)
 
 
 @pytest.mark.parametrize("method", ["h2o:budget=24", "deltakv:recent=8:chunk=8"])

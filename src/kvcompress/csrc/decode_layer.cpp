@@ -11,6 +11,8 @@
 //     layer's tables) at layer `index` → (the residual stream with delta and the attention added, the MLP's output to add
 //     next): as `_Layer.__call__` with the runner's decoding read, each operation the same compiled function the Python
 //     path calls, in the same order, so the two agree bit for bit.
+//   decode_layers(layers, hidden, delta, cos, sin, step): every layer of the step in turn, as the decoder's loop calls
+//     them one by one (a step's 30 calls from Python and the loop around them cost ~0.2 ms of a 9 ms step on a Zen 5).
 #include "kernels.h"
 
 #include <cstring>
@@ -99,6 +101,21 @@ class DecodeLayer {
   double scaling_;
 };
 
+// A decoding step's whole stack of layers in one call: layer i of `layers` over the step's reads of layer i, in turn, each
+// taking the previous one's (stream, output) → the last one's. The same calls in the same order as the decoder's loop over
+// the layers, without the interpreter between them.
+std::vector<at::Tensor> decode_layers(const std::vector<const DecodeLayer*>& layers, const at::Tensor& hidden,
+                                      const std::optional<at::Tensor>& delta, const at::Tensor& cos, const at::Tensor& sin,
+                                      const PagedStep& step) {
+  TORCH_CHECK(!layers.empty() && static_cast<int64_t>(layers.size()) == step.layers(), "decode_layers: a layer for each of the step's");
+  std::vector<at::Tensor> state{hidden, delta.value_or(at::Tensor())};
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::optional<at::Tensor> added = state[1].defined() ? std::optional<at::Tensor>(state[1]) : std::nullopt;
+    state = (*layers[i])(state[0], added, cos, sin, step, static_cast<int64_t>(i));
+  }
+  return state;
+}
+
 void bind_decode_layer(pybind11::module_& m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer", "A decoding step's whole decoder layer in one call (CPU)")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<double>&, const std::vector<std::vector<at::Tensor>>&,
@@ -109,4 +126,5 @@ void bind_decode_layer(pybind11::module_& m) {
                           const std::vector<at::Tensor>&, int64_t, const std::vector<int64_t>&, const std::vector<at::Tensor>&>())
       .def_property_readonly("layers", &PagedStep::layers)
       .def("read", &PagedStep::read, "paged_decode's output over a layer's tables");
+  m.def("decode_layers", &decode_layers, "A decoding step's layers (DecodeLayer each) in turn over its reads in place (CPU)");
 }

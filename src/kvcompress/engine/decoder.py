@@ -19,6 +19,7 @@ without the interpreter between them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +32,17 @@ from .packed import FusedLinear, PackedLinear, copy_bytes, packed_or_own
 # (layer, queries [T, Hq, d], keys [T, H, d], values [T, H, d] after RoPE, positions [T], attention inputs [T, D],
 # scaling) → attention output [T, Hq, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-# layer → the decoding step's reads in place, every layer's (``csrc/paged_decode.cpp``'s ``PagedStep``: where the new
-# entries go, the pool's arrays, the tables; ``read.paged.compiled_step``), or None: the layer attends instead
-InPlace = Callable[[int], "object | None"]
+
+
+class InPlace(Protocol):
+    """A decoding step's reads in place, every layer's (``csrc/paged_decode.cpp``'s ``PagedStep``: where the new entries
+    go, the pool's arrays, the tables; ``read.paged.compiled_step``), as the compiled layers take them."""
+
+    def __call__(self, layer: int) -> object | None:
+        """The reads for ``layer``, or None: the layer attends instead."""
+
+    def every_layer(self) -> object | None:
+        """The reads where every layer takes them (the step's layers may then run as one call), else None."""
 
 
 class _Rotary:
@@ -154,6 +163,9 @@ class Decoder:
         self.lm_head = packed_or_own(model.lm_head, pack)
         self.layers = [_Layer(layer, facts.head_dim, pack, self.kernels) for layer in stack.layers]
         self.nbytes = copy_bytes(self.lm_head) + sum(layer.nbytes for layer in self.layers)
+        # every layer compiled alike: a step whose reads every layer takes runs them all in one call (``decode_layers``)
+        compiled = {(layer.compiled is not None, layer.compiled_rows, layer.compiled_dtype) for layer in self.layers}
+        self.stack = [layer.compiled for layer in self.layers] if len(compiled) == 1 and next(iter(compiled))[0] else None
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: torch.Tensor,
@@ -161,17 +173,30 @@ class Decoder:
         """Tokens ``ids`` [T] at ``positions`` [T], each layer's attention by ``attend`` → the logits [K, V] of the
         tokens at ``keep`` [K]. ``in_place``: where every token decodes one row and reads its entries in place, each
         layer's write and read as the compiled layer takes them (or None for a layer whose read needs more): such a
-        layer runs as one compiled call (``_Layer.compiled``), the same numbers as ``attend``'s."""
+        layer runs as one compiled call (``_Layer.compiled``), the same numbers as ``attend``'s; where every layer does,
+        the step's layers run as one call (``stack_call``)."""
         hidden, delta = self.embed(ids), None
         rotary = _Rotary(self.rotary, hidden, positions, self.kernels)
-        for index, layer in enumerate(self.layers):
-            compiles = in_place is not None and layer.compiled is not None and hidden.shape[0] <= layer.compiled_rows
-            reads = in_place(index) if compiles and hidden.dtype == layer.compiled_dtype else None
-            if reads is not None:
-                hidden, delta = layer.compiled(hidden, delta, rotary.cos, rotary.sin, reads, index)
-            else:
-                hidden, delta = layer(index, hidden, delta, positions, rotary, attend)
+        layer0 = self.layers[0]
+        whole = (in_place is not None and self.stack is not None and hidden.shape[0] <= layer0.compiled_rows
+                 and hidden.dtype == layer0.compiled_dtype)
+        reads = in_place.every_layer() if whole else None
+        if reads is not None:
+            hidden, delta = self.stack_call(hidden, rotary, reads)
+        else:
+            for index, layer in enumerate(self.layers):
+                compiles = in_place is not None and layer.compiled is not None and hidden.shape[0] <= layer.compiled_rows
+                reads = in_place(index) if compiles and hidden.dtype == layer.compiled_dtype else None
+                if reads is not None:
+                    hidden, delta = layer.compiled(hidden, delta, rotary.cos, rotary.sin, reads, index)
+                else:
+                    hidden, delta = layer(index, hidden, delta, positions, rotary, attend)
         return self.lm_head(self.norm(hidden[keep], delta[keep])[1])
+
+    def stack_call(self, hidden: torch.Tensor, rotary: _Rotary, reads) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's compiled call in turn in one call (``csrc/decode_layer.cpp``'s ``decode_layers``): the same calls
+        as the loop's, without the interpreter between them."""
+        return tuple(self.kernels.decode_layers(self.stack, hidden, None, rotary.cos, rotary.sin, reads))
 
 
 __all__ = ["Attend", "Decoder", "InPlace"]

@@ -11,7 +11,7 @@ layer); each prompt piece is prefilled into its request's session (a first piece
 the prompt, a later one attends the prompt so far), and the session compresses the layer when its
 prompt's last piece is in. Requests keep their own positions, methods and budgets. A method that
 needs its whole prompt in one forward (a replay of it, KVzip; statistics of its attention inputs,
-GVote) is prefilled alone (``prefill``). In a step of decoding rows alone on the CPU, ``_Step.in_place`` hands each
+GVote) is prefilled alone (``prefill``). In a step of decoding rows alone on the CPU, ``_Step`` (a ``decoder.InPlace``) hands each
 layer's write and read to the decoder's compiled layer instead (one C++ call a layer, the same numbers), where no
 method acts in the layer and nothing has to happen between its write and its read.
 """
@@ -57,9 +57,9 @@ class _Step:
         self.tables = [s.table for s in sessions]
         fixed = sessions and not self.acting and not self.following  # no table changes but the writes begin_step recorded
         self.lengths = SlotTable.step_lengths(self.tables) if fixed else None  # every layer's lengths [L, R, H], read once
-        # a step of decoding rows alone, no method acting in its layers: ``in_place`` for the compiled layers
+        # a step of decoding rows alone, no method acting in its layers: its reads in place for the compiled layers
         self.reads_in_place = bool(sessions) and not self.acting and not pieces and slots.device.type == "cpu"
-        self._reads = None  # ``in_place``'s reads of every layer once made (False: none can be), until ``attend`` runs a layer
+        self._reads = None  # the reads in place of every layer once made (False: none can be), until ``attend`` runs a layer
         # the layers where a request merges a summary into its read (MomentKV's): none changes while no method acts
         self.summarized = {i for s in sessions for i, layer in enumerate(s.layers) if layer.summary is not None} if self.reads_in_place else ()
 
@@ -123,7 +123,7 @@ class _Step:
             session.after_read(layer_idx, query[r : r + 1], positions[r : r + 1], sums, hidden=step_hidden)
         return result.out
 
-    def in_place(self, layer_idx: int):
+    def __call__(self, layer_idx: int):
         """The decoding rows' reads in place as the compiled layers take them (``decoder.InPlace``: a ``PagedStep`` of every
         layer, made once and kept while no layer runs through ``attend``); None where layer ``layer_idx`` needs more than
         the compiled layer does (work between the layer's write and its read: page bounds, entries due for coding; a
@@ -132,8 +132,15 @@ class _Step:
             return None
         if self._reads is None:
             pages = SlotTable.step_pages(self.runner.pool, self.tables, self.lengths)
-            self._reads = False if pages is None else compiled_step(pages, self.slots, self.runner.pool.head_dim)
+            self._reads = False if pages is None else (compiled_step(pages, self.slots, self.runner.pool.head_dim) or False)
         return self._reads or None
+
+    def every_layer(self):
+        """The reads in place where every layer takes them (no summary to merge, no work between a layer's write and
+        its read), else None (``decoder.InPlace``)."""
+        if self.summarized or self.following:
+            return None
+        return self(0)
 
     def joint_select(self, layer_idx: int, query, positions, length: int, contexts: dict) -> torch.Tensor | None:
         """Each request's choice of entries to read (dynamic selection is per request; only the ``acting`` rows whose
@@ -235,7 +242,7 @@ class ModelRunner:
         step = _Step(self, sessions, slots, pieces)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.decoder(as_tensor(ids), as_tensor(positions), step.attend, as_tensor(keep),
-                              step.in_place if step.reads_in_place else None)
+                              step if step.reads_in_place else None)
         finals = iter(logits[len(requests):])
         return logits[: len(requests)], [next(finals) if piece.final else None for piece in pieces]
 
