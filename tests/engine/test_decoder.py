@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from common import tiny_model
 from kvcompress.kernels import cpu_kernels
-from kvcompress.engine.decoder import Decoder, _Norm, _Rotary
+from kvcompress.engine.decoder import Decoder, _cos_sin, _Norm, _Rotary
 from kvcompress.engine.packed import FusedLinear, can_pack
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 
 def causal_attend(layer, query, key, value, positions, hidden, scaling):
@@ -80,8 +81,30 @@ def test_fused_products_split_into_each_layers_output_and_count_their_copy():
             torch.testing.assert_close(out, own, atol=1e-5, rtol=1e-5)
 
 
+ROPE_TYPES = [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0},
+              {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+              {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, {"rope_type": "dynamic", "factor": 2.0},
+              {"rope_type": "longrope", "long_factor": [1.5] * 8, "short_factor": [1.0] * 8, "original_max_position_embeddings": 64}]
+
+
+@pytest.mark.parametrize("rope", ROPE_TYPES, ids=[r["rope_type"] for r in ROPE_TYPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cosines_and_sines_are_the_rotary_modules_for_every_rope_type(rope, dtype):
+    """Computed from the module's frequencies where they are fixed, through the module where they move with the
+    positions (dynamic, long-context): its numbers either way, past the original length too."""
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
+                         rope_parameters={**rope, "rope_theta": 10000.0})
+    rotary = LlamaRotaryEmbedding(config)
+    hidden = torch.randn(8, 64).to(dtype)
+    for start in (0, 200, 300):
+        positions = torch.arange(start, start + 8)
+        expected = [x[0] for x in rotary(hidden[None], positions[None])]
+        got = _cos_sin(rotary, hidden, positions)
+        assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(got, expected))
+
+
 @settings(max_examples=30, deadline=None)
-@given(kind=st.sampled_from(["llama", "qwen3"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), tokens=st.integers(1, 40),
+@given(kind=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), tokens=st.integers(1, 40),
        start=st.integers(0, 400), seed=st.integers(0, 2**16))
 def test_the_rotary_and_the_norms_are_transformers_bit_for_bit(kind, dtype, tokens, start, seed):
     """``_Rotary`` (a roll and a signed sine; the compiled ``rope`` too) and ``_Norm`` (``F.rms_norm``) compute

@@ -50,6 +50,16 @@ def test_word_level_text_grows_token_by_token_to_the_whole_decode(ids):
     check_token_by_token(tiny_tokenizer(), ids)
 
 
+def test_a_tokenizer_that_cleans_spaces_up_decodes_through_its_own_decode():
+    """The backend is asked directly only where the tokenizer's decode adds nothing to it (no clean-up of spaces);
+    a tokenizer that cleans up decodes through its own ``decode``, and the text still grows to the whole decode."""
+    tokenizer = tiny_tokenizer()
+    assert IncrementalDetokenizer(tokenizer)._decode_ids == tokenizer.backend_tokenizer.decode
+    tokenizer.clean_up_tokenization_spaces = True
+    assert IncrementalDetokenizer(tokenizer)._decode_ids == tokenizer.decode
+    check_token_by_token(tokenizer, [5, 1, 7, 7, 0, 12, 1, 3])
+
+
 def test_a_character_split_over_tokens_is_held_until_complete(embedded):
     tokenizer = embedded[1]
     ids = tokenizer.encode("a😀", add_special_tokens=False)

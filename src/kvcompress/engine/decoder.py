@@ -52,7 +52,7 @@ class _Rotary:
     instead of seven, or in one pass of the compiled ``rope`` (``kernels``: the CPU kernels, or None)."""
 
     def __init__(self, rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kernels=None):
-        cos, sin = (x[0, :, None] for x in rotary(hidden[None], positions[None]))  # [T, 1, d]
+        cos, sin = (x[:, None] for x in _cos_sin(rotary, hidden, positions))  # [T, 1, d]
         half = cos.shape[-1] // 2
         self.cos, self.sin, self.half = cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1), half
         self.kernels = kernels if hidden.device.type == "cpu" else None
@@ -62,6 +62,20 @@ class _Rotary:
         if self.kernels is not None:
             return self.kernels.rope(x, self.cos, self.sin)
         return x * self.cos + x.roll(self.half, dims=-1) * self.sin
+
+
+def _cos_sin(rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary module's cosines and sines for ``positions`` [T], each [T, d] in ``hidden``'s dtype. Where its
+    frequencies are fixed (every RoPE type but the dynamic and long-context ones, which update them with the positions),
+    its forward's own arithmetic on its ``inv_freq`` and ``attention_scaling`` (the same numbers without the module's
+    call and decorator: ~14 against ~26 µs at a step's 8 rows); else the module."""
+    kind = getattr(rotary, "rope_type", None)
+    if not isinstance(kind, str) or "dynamic" in kind or kind == "longrope" or not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        return tuple(x[0] for x in rotary(hidden[None], positions[None]))
+    freqs = positions[:, None].float() * rotary.inv_freq.to(device=hidden.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scaling = rotary.attention_scaling
+    return (emb.cos() * scaling).to(hidden.dtype), (emb.sin() * scaling).to(hidden.dtype)
 
 
 class _Norm:

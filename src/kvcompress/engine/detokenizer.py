@@ -22,6 +22,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        # a fast tokenizer that cleans no spaces up decodes as its backend (the Rust `tokenizers`) does: asked directly,
+        # ~0.9 against ~2.4 µs a call, two calls a request each step
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        direct = backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+        self._decode_ids = backend.decode if direct else tokenizer.decode
         self.prefix_offset = 0  # first token of the window decoded for context
         self.read_offset = 0  # first token whose text is not emitted yet
         self.held = ""  # the text of the tokens from read_offset on, held back: it ends in an incomplete character
@@ -43,7 +48,7 @@ class IncrementalDetokenizer:
         return held
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decode_ids(ids, skip_special_tokens=True)
 
 
 __all__ = ["IncrementalDetokenizer"]
