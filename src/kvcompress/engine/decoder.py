@@ -145,6 +145,10 @@ class _Layer:
                                     [p.bias for p in products], *self.heads, self.head_dim, float(self.scaling))
         return layer, min(p.rows_streamed for p in products), products[0].own[0].dtype
 
+    def takes(self, hidden: torch.Tensor) -> bool:
+        """Whether the compiled call takes a decoding step over ``hidden`` [R, D] (its rows streamed, in its dtype)."""
+        return self.compiled is not None and hidden.shape[0] <= self.compiled_rows and hidden.dtype == self.compiled_dtype
+
     def __call__(self, index: int, hidden: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, rotary: _Rotary,
                  attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``hidden`` [T, D] and the previous layer's output still to add to it (``delta``, or None)
@@ -178,8 +182,10 @@ class Decoder:
         self.layers = [_Layer(layer, facts.head_dim, pack, self.kernels) for layer in stack.layers]
         self.nbytes = copy_bytes(self.lm_head) + sum(layer.nbytes for layer in self.layers)
         # every layer compiled alike: a step whose reads every layer takes runs them all in one call (``decode_layers``)
-        compiled = {(layer.compiled is not None, layer.compiled_rows, layer.compiled_dtype) for layer in self.layers}
-        self.stack = [layer.compiled for layer in self.layers] if len(compiled) == 1 and next(iter(compiled))[0] else None
+        first = self.layers[0]
+        alike = all(layer.compiled is not None and (layer.compiled_rows, layer.compiled_dtype) == (first.compiled_rows, first.compiled_dtype)
+                    for layer in self.layers)
+        self.stack = [layer.compiled for layer in self.layers] if alike else None
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend, keep: torch.Tensor,
@@ -191,16 +197,13 @@ class Decoder:
         the step's layers run as one call (``stack_call``)."""
         hidden, delta = self.embed(ids), None
         rotary = _Rotary(self.rotary, hidden, positions, self.kernels)
-        layer0 = self.layers[0]
-        whole = (in_place is not None and self.stack is not None and hidden.shape[0] <= layer0.compiled_rows
-                 and hidden.dtype == layer0.compiled_dtype)
+        whole = in_place is not None and self.stack is not None and self.layers[0].takes(hidden)
         reads = in_place.every_layer() if whole else None
         if reads is not None:
             hidden, delta = self.stack_call(hidden, rotary, reads)
         else:
             for index, layer in enumerate(self.layers):
-                compiles = in_place is not None and layer.compiled is not None and hidden.shape[0] <= layer.compiled_rows
-                reads = in_place(index) if compiles and hidden.dtype == layer.compiled_dtype else None
+                reads = in_place(index) if in_place is not None and layer.takes(hidden) else None
                 if reads is not None:
                     hidden, delta = layer.compiled(hidden, delta, rotary.cos, rotary.sin, reads, index)
                 else:
